@@ -211,8 +211,10 @@ bch_sb_decode (const void *buf, size_t len, struct bch_sb *sb,
                  "unsupported superblock version %" PRIu64
                  " (known: 0, 3, 5 for cache devices)", sb->version);
   }
-  /* Feature fields exist only from version 5; older versions must have
-   * them zero (they are in pad space that make-bcache zeroes). */
+  /* Feature fields exist only from version 5; below that the kernel
+   * ignores those words, and so do we. */
+  if (sb->version < BCACHE_SB_VERSION_CDEV_WITH_FEATURES)
+    sb->feature_compat = sb->feature_incompat = sb->feature_ro_compat = 0;
   if (sb->feature_compat & ~BCH_FEATURE_COMPAT_SUPP)
     return fail (diag, BCH_ERR_FEATURES,
                  "unknown compat feature bits 0x%" PRIx64, sb->feature_compat);
@@ -224,11 +226,6 @@ bch_sb_decode (const void *buf, size_t len, struct bch_sb *sb,
     return fail (diag, BCH_ERR_FEATURES,
                  "unknown incompat feature bits 0x%" PRIx64,
                  sb->feature_incompat);
-  if (sb->feature_incompat && sb->version < BCACHE_SB_VERSION_CDEV_WITH_FEATURES)
-    return fail (diag, BCH_ERR_FEATURES,
-                 "feature bits 0x%" PRIx64 " set in a version %" PRIu64
-                 " superblock (features need version 5)",
-                 sb->feature_incompat, sb->version);
   if (sb->njournal_buckets > BCH_SB_JOURNAL_BUCKETS)
     return fail (diag, BCH_ERR_INVALID,
                  "njournal_buckets %u exceeds %u", sb->njournal_buckets,
@@ -386,7 +383,9 @@ bkey_validate (const struct bkey *k, size_t avail_u64s, unsigned level,
     return fail (diag, BCH_ERR_INVALID,
                  "key has KEY_CSUM %" PRIu64 " (data checksums unsupported)",
                  KEY_CSUM (k));
-  if (KEY_SIZE (k) > KEY_OFFSET (k))
+  /* An extent cannot start before sector 0.  (A btree pointer's size is
+   * the node's size, unrelated to its offset.) */
+  if (level == 0 && KEY_SIZE (k) > KEY_OFFSET (k))
     return fail (diag, BCH_ERR_INVALID,
                  "key size %" PRIu64 " exceeds its end offset %" PRIu64,
                  KEY_SIZE (k), KEY_OFFSET (k));
@@ -588,8 +587,14 @@ bch_node_walk (const void *node, size_t len, unsigned block_bytes,
                      ", expected 0x%016" PRIx64, set.hdr.magic, bset_magic);
       seq = set.hdr.seq;
     }
-    else if (set.hdr.seq != seq || set.hdr.magic != bset_magic)
+    else if (set.hdr.seq != seq)
       break;                    /* end of the log */
+    else if (set.hdr.magic != bset_magic)
+      return fail (diag, BCH_ERR_MAGIC,
+                   "btree node: bset at byte %zu carries the node's seq but "
+                   "magic 0x%016" PRIx64, off, set.hdr.magic);
+    if (n == 0 && seq == 0)
+      return fail (diag, BCH_ERR_INVALID, "btree node: first bset has seq 0");
     if (set.hdr.version > BCACHE_BSET_VERSION)
       return fail (diag, BCH_ERR_VERSION,
                    "bset at byte %zu has unsupported version %u",
@@ -624,8 +629,7 @@ bch_node_walk (const void *node, size_t len, unsigned block_bytes,
   /* bcache: a later block still carrying this node's seq means a set we
    * could not read — corruption, not the end of the log. */
   for (size_t b = off; b + BCH_BSET_HEADER_SIZE <= len; b += block_bytes)
-    if (bch_get_le64 (base + b + BSET_MAGIC) == bset_magic &&
-        bch_get_le64 (base + b + BSET_SEQ) == seq)
+    if (bch_get_le64 (base + b + BSET_SEQ) == seq)
       return fail (diag, BCH_ERR_INVALID,
                    "btree node: block at byte %zu carries the node's seq "
                    "after the end of its bset log", b);
@@ -759,14 +763,13 @@ uint64_t
 bch_prio_buckets (uint64_t nbuckets, uint64_t bucket_bytes)
 {
   uint64_t per = bch_prios_per_bucket (bucket_bytes);
-  return per ? (nbuckets + per - 1) / per : 0;
+  return per ? nbuckets / per + (nbuckets % per != 0) : 0;
 }
 
 uint64_t
 bch_pset_csum_bytes (uint64_t bucket_bytes)
 {
-  const uint64_t max = (uint64_t) BCH_PAGE_SIZE << 10;    /* MAX_ORDER */
-  return bucket_bytes < max ? bucket_bytes : max;
+  return bch_meta_bucket_bytes (bucket_bytes);
 }
 
 void
@@ -778,6 +781,8 @@ bch_pset_encode (const struct bch_pset_hdr *h,
   size_t max = bch_prios_per_bucket (len);
   size_t cbytes = bch_pset_csum_bytes (len);
 
+  if (len < BCH_PSET_HEADER_SIZE)
+    return;
   memset (p, 0, len);
   if (n > max)
     n = max;

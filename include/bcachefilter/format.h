@@ -181,16 +181,20 @@ uint64_t bch_sb_csum (const void *buf, size_t len);
 /* Decode the 4096-byte area found at byte 4096 of a device.  Checks, in
  * this order: length, magic (BCH_ERR_MAGIC), offset, version (unknown:
  * BCH_ERR_VERSION), backing device (BCH_ERR_BACKING; sb is still filled
- * in), feature bits (BCH_ERR_FEATURES), checksum (BCH_ERR_CSUM), then the
- * cache geometry rules of bch_sb_validate with device_sectors unknown.
- * On BCH_ERR_CSUM and later errors *sb is filled in, so tools can print
- * what is there. */
+ * in), feature bits (BCH_ERR_FEATURES; below version 5 there are no
+ * feature fields and those words are ignored, as the kernel does),
+ * checksum (BCH_ERR_CSUM), then the cache geometry rules of
+ * bch_sb_validate with device_sectors unknown.
+ * njournal_buckets > 256 is BCH_ERR_INVALID, before the checksum.  On
+ * every error after the length check *sb is filled in (feature words
+ * zeroed below version 5), so tools can print what is there. */
 enum bch_status bch_sb_decode (const void *buf, size_t len,
                                struct bch_sb *sb, struct bch_diag *diag);
 
 /* Validate a cache superblock's geometry as the kernel does at
  * registration (bcache.md §1.2).  device_sectors == 0 skips the size
- * check. */
+ * check; a device smaller than nbuckets * bucket_size gives
+ * BCH_ERR_TRUNCATED, every other violation BCH_ERR_INVALID. */
 enum bch_status bch_sb_validate (const struct bch_sb *sb,
                                  uint64_t device_sectors,
                                  struct bch_diag *diag);
@@ -236,7 +240,12 @@ struct bkey {
   uint64_t ptr[];
 };
 
-/* A key with room for BKEY_PAD_PTRS pointers (8 u64s, like BKEY_PADDED). */
+/* A key with room for BKEY_PAD_PTRS pointers (8 u64s, like BKEY_PADDED).
+ * As in the kernel, a union with a struct ending in a flexible array;
+ * clang warns about that by default (GCC accepts it as an extension). */
+#if defined (__clang__)
+#pragma clang diagnostic ignored "-Wgnu-variable-sized-type-not-at-end"
+#endif
 struct bkey_padded {
   union {
     struct bkey key;
@@ -403,9 +412,9 @@ struct bch_node_bset {
 /* Walk a btree node buffer (the whole node, len bytes) as bcache's
  * bch_btree_node_read_done does: the first bset at 0, each later one at
  * the next block boundary, while seq matches and version <= 1; check
- * magic and checksum of each, reject an empty non-first set, and fail if
- * a block past the last accepted set still carries the node's seq (a
- * corrupted log).  Calls cb for each bset in order; a non-zero return
+ * magic and checksum of each, reject a first set with seq 0 and an empty
+ * non-first set, and fail if a block past the last accepted set still
+ * carries the node's seq (a corrupted log).  Calls cb for each bset in order; a non-zero return
  * from cb stops the walk and is returned as BCH_ERR_INVALID.  *nsets and
  * *written_bytes (block-rounded) are set on success.  Each key in every
  * set is checked with bkey_validate (level, geo). */
@@ -481,10 +490,17 @@ struct bch_pset_hdr {
   uint64_t next_bucket;
 };
 
-/* Entries per prio bucket: (bucket bytes - 40) / 3. */
+/* Bytes of a bucket bcache uses for metadata (meta_bucket_bytes): the
+ * bucket, capped at MAX_ORDER pages (4 MiB) for huge buckets. */
+static inline uint64_t bch_meta_bucket_bytes (uint64_t bucket_bytes)
+{ return bucket_bytes < ((uint64_t) BCH_PAGE_SIZE << 10) ? bucket_bytes
+         : (uint64_t) BCH_PAGE_SIZE << 10; }
+/* Entries per prio bucket: (meta bucket bytes - 40) / 3 (174,749 for
+ * 512 KiB buckets). */
 static inline uint64_t bch_prios_per_bucket (uint64_t bucket_bytes)
-{ return bucket_bytes > BCH_PSET_HEADER_SIZE ?
-         (bucket_bytes - BCH_PSET_HEADER_SIZE) / BCH_BUCKET_DISK_SIZE : 0; }
+{ uint64_t b = bch_meta_bucket_bytes (bucket_bytes);
+  return b > BCH_PSET_HEADER_SIZE ?
+         (b - BCH_PSET_HEADER_SIZE) / BCH_BUCKET_DISK_SIZE : 0; }
 /* Prio buckets needed for nbuckets buckets. */
 uint64_t bch_prio_buckets (uint64_t nbuckets, uint64_t bucket_bytes);
 
@@ -529,7 +545,7 @@ extern const uint8_t bch_invalid_uuid[16];
 void bch_uuid_entry_encode (const struct bch_uuid_entry *u, void *buf128);
 void bch_uuid_entry_decode (const void *buf128, struct bch_uuid_entry *u);
 static inline uint64_t bch_uuids_per_bucket (uint64_t bucket_bytes)
-{ return bucket_bytes / BCH_UUID_ENTRY_SIZE; }
+{ return bch_meta_bucket_bytes (bucket_bytes) / BCH_UUID_ENTRY_SIZE; }
 
 /* ------------------------------------------------------------------------
  * Little-endian helpers (shared by everything that touches disk bytes)
