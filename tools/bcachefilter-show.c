@@ -1,0 +1,1086 @@
+/* bcachefilter-show: decode and check a bcache cache device offline.
+ *
+ * Design
+ * ------
+ * The tool works in three steps, each a small function:
+ *
+ *   1. open_device:  open DEVICE read-only and find its size (st_size for
+ *      a file, the BLKGETSIZE64 ioctl for a block device).
+ *   2. load_super:   read the 4096-byte superblock area at byte 4096 with
+ *      pread, decode it with bch_sb_decode, check the device size against
+ *      nbuckets * bucket_size, then bch_sb_validate.  Every failure is
+ *      reported once, on stderr, as "bcachefilter-show: DEVICE: reason",
+ *      and mapped to a distinct exit status (below).
+ *   3. a mode:       show something about the device.  Only the
+ *      superblock mode exists so far; a mode is just a function called
+ *      with the loaded device (struct device), so new modes (journal,
+ *      btree, buckets, fsck) are added by writing another function and an
+ *      option selecting it.
+ *
+ * The superblock mode first computes everything it shows into a
+ * struct sb_view (raw fields, checksum comparison, derived magics and
+ * bucket layout), then renders that view either as text or as one JSON
+ * object.  The text output starts with exactly the fields, names, order
+ * and formatting of bcache-super-show(8), so the two can be compared line
+ * by line; extra information follows in further sections.
+ *
+ * Everything read from the device is untrusted: all decoding goes through
+ * core/format.c, and the derived values guard against zero and
+ * overflowing sizes so that --force can print any superblock.
+ *
+ * Exit status (also in bcachefilter-show(1)):
+ *   0  the superblock is a valid cache superblock
+ *   1  usage error, or the device cannot be opened, sized or read
+ *   2  not a bcache device (no bcache magic at byte 4096)
+ *   3  a bcache backing device, not a cache device
+ *   4  truncated: smaller than 8 KiB, or than nbuckets * bucket_size
+ *   5  bad superblock checksum
+ *   6  unsupported superblock version or feature bits
+ *   7  another superblock field is invalid
+ * With --force, statuses 5 to 7 still print what was decoded (and still
+ * exit with that status).
+ */
+
+#include <config.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <linux/fs.h>
+
+#include "bcachefilter/format.h"
+
+#define PROGRAM_NAME "bcachefilter-show"
+
+/* Exit statuses, see the header comment and the man page. */
+enum {
+  EXIT_OK          = 0,
+  EXIT_ERROR       = 1,     /* usage, open, size or read failure */
+  EXIT_NOT_BCACHE  = 2,
+  EXIT_BACKING     = 3,
+  EXIT_TRUNCATED   = 4,
+  EXIT_CSUM        = 5,
+  EXIT_UNSUPPORTED = 6,
+  EXIT_INVALID     = 7,
+};
+
+/* The smallest device that can hold a superblock: 4 KiB unused, then
+ * the 4 KiB superblock area. */
+#define MIN_DEVICE_BYTES (BCH_SB_OFFSET + BCH_SB_AREA_SIZE)
+
+/* ------------------------------------------------------------------------
+ * Small helpers
+ * ------------------------------------------------------------------------ */
+
+static void
+close_fdp (int *fdp)
+{
+  if (*fdp >= 0)
+    close (*fdp);
+}
+#define CLEANUP_CLOSE __attribute__ ((cleanup (close_fdp)))
+
+/* "bcachefilter-show: DEVICE: message\n" on stderr. */
+static void __attribute__ ((format (printf, 2, 3)))
+device_error (const char *path, const char *fs, ...)
+{
+  const int saved_errno = errno;   /* for %m in fs */
+  va_list args;
+
+  fprintf (stderr, "%s: %s: ", PROGRAM_NAME, path);
+  errno = saved_errno;
+  va_start (args, fs);
+  vfprintf (stderr, fs, args);
+  va_end (args);
+  fputc ('\n', stderr);
+}
+
+/* a * b, or UINT64_MAX if that overflows (sizes derived from untrusted
+ * fields are only ever shown or compared, so saturating is right). */
+static uint64_t
+mul_sat (uint64_t a, uint64_t b)
+{
+  uint64_t r;
+
+  return __builtin_mul_overflow (a, b, &r) ? UINT64_MAX : r;
+}
+
+/* ------------------------------------------------------------------------
+ * The device
+ * ------------------------------------------------------------------------ */
+
+struct device {
+  const char *path;
+  int fd;
+  uint64_t bytes;                     /* device or file size */
+  uint8_t area[BCH_SB_AREA_SIZE];     /* raw superblock area */
+  struct bch_sb sb;                   /* decoded (valid if status allows) */
+  struct bch_diag diag;               /* result of decode / validate */
+};
+
+/* Size of an open file or block device; -1 with a message on error. */
+static int
+device_size (struct device *dev)
+{
+  struct stat st;
+
+  if (fstat (dev->fd, &st) == -1) {
+    device_error (dev->path, "fstat: %m");
+    return -1;
+  }
+  if (S_ISREG (st.st_mode)) {
+    dev->bytes = (uint64_t) st.st_size;
+    return 0;
+  }
+  if (S_ISBLK (st.st_mode)) {
+    if (ioctl (dev->fd, BLKGETSIZE64, &dev->bytes) == -1) {
+      device_error (dev->path, "ioctl BLKGETSIZE64: %m");
+      return -1;
+    }
+    return 0;
+  }
+  device_error (dev->path, "not a regular file or block device");
+  return -1;
+}
+
+/* Read exactly len bytes at offset; 0 on success, -1 with a message. */
+static int
+read_exact (const struct device *dev, void *buf, size_t len, off_t offset)
+{
+  uint8_t *p = buf;
+
+  while (len > 0) {
+    ssize_t r = pread (dev->fd, p, len, offset);
+
+    if (r == -1) {
+      if (errno == EINTR)
+        continue;
+      device_error (dev->path, "read at byte %jd: %m", (intmax_t) offset);
+      return -1;
+    }
+    if (r == 0) {
+      device_error (dev->path, "read at byte %jd: unexpected end of file",
+                    (intmax_t) offset);
+      return -1;
+    }
+    p += r;
+    len -= (size_t) r;
+    offset += r;
+  }
+  return 0;
+}
+
+/* Open path and read its size; returns EXIT_OK or EXIT_ERROR.  On
+ * success the caller owns dev->fd. */
+static int
+open_device (struct device *dev, const char *path)
+{
+  dev->path = path;
+  dev->fd = open (path, O_RDONLY | O_CLOEXEC);
+  if (dev->fd == -1) {
+    device_error (path, "cannot open: %m");
+    return EXIT_ERROR;
+  }
+  return device_size (dev) == -1 ? EXIT_ERROR : EXIT_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * Loading and checking the superblock
+ * ------------------------------------------------------------------------ */
+
+static int
+status_to_exit (enum bch_status s)
+{
+  switch (s) {
+  case BCH_OK:            return EXIT_OK;
+  case BCH_ERR_TRUNCATED: return EXIT_TRUNCATED;
+  case BCH_ERR_MAGIC:     return EXIT_NOT_BCACHE;
+  case BCH_ERR_BACKING:   return EXIT_BACKING;
+  case BCH_ERR_CSUM:      return EXIT_CSUM;
+  case BCH_ERR_VERSION:
+  case BCH_ERR_FEATURES:  return EXIT_UNSUPPORTED;
+  case BCH_ERR_INVALID:   return EXIT_INVALID;
+  }
+  return EXIT_INVALID;
+}
+
+/* Explain a decode / validate failure on stderr.  Returns the exit
+ * status. */
+static int
+report_status (const struct device *dev)
+{
+  const char *path = dev->path;
+  const char *msg = dev->diag.msg;
+
+  switch (dev->diag.status) {
+  case BCH_OK:
+    return EXIT_OK;
+  case BCH_ERR_MAGIC:
+    device_error (path, "not a bcache device (no bcache magic at byte %u); "
+                  "to make a cache device use 'make-bcache -C %s'",
+                  BCH_SB_OFFSET, path);
+    break;
+  case BCH_ERR_BACKING:
+    device_error (path, "this is a bcache backing device, not a cache device "
+                  "(superblock version %" PRIu64 "); bcachefilter needs a "
+                  "cache device made with 'make-bcache -C'",
+                  dev->sb.version);
+    break;
+  case BCH_ERR_CSUM:
+    device_error (path, "bad superblock checksum: stored %" PRIX64
+                  ", computed %" PRIX64 "%s",
+                  dev->sb.csum, bch_sb_csum (dev->area, sizeof dev->area),
+                  " (use --force to show the fields anyway)");
+    break;
+  case BCH_ERR_VERSION:
+    device_error (path, "%s; bcachefilter cannot use this device", msg);
+    break;
+  case BCH_ERR_FEATURES:
+    device_error (path, "unsupported superblock: %s; bcachefilter cannot "
+                  "use this device", msg);
+    break;
+  case BCH_ERR_TRUNCATED:
+    device_error (path, "truncated: %s", msg);
+    break;
+  case BCH_ERR_INVALID:
+  default:
+    device_error (path, "invalid superblock: %s", msg);
+    break;
+  }
+  return status_to_exit (dev->diag.status);
+}
+
+/* Record a truncation in dev->diag and report it. */
+static int __attribute__ ((format (printf, 2, 3)))
+truncated (struct device *dev, const char *fs, ...)
+{
+  va_list args;
+
+  dev->diag.status = BCH_ERR_TRUNCATED;
+  va_start (args, fs);
+  vsnprintf (dev->diag.msg, sizeof dev->diag.msg, fs, args);
+  va_end (args);
+  device_error (dev->path, "truncated: %s", dev->diag.msg);
+  return EXIT_TRUNCATED;
+}
+
+/* The device must hold nbuckets buckets.  Checked here rather than left
+ * to bch_sb_validate so the message can say how big the device is and
+ * how big it must be. */
+static int
+check_device_size (struct device *dev)
+{
+  const uint64_t bucket_sectors = bch_sb_bucket_sectors (&dev->sb);
+  const uint64_t need = mul_sat (mul_sat (dev->sb.nbuckets, bucket_sectors),
+                                 BCH_SECTOR_SIZE);
+
+  if (dev->bytes >= need)
+    return EXIT_OK;
+  return truncated (dev, "the device is %" PRIu64 " bytes, but the "
+                    "superblock describes %" PRIu64 " buckets of %" PRIu64
+                    " bytes, so it must be at least %" PRIu64 " bytes; "
+                    "restore its full size or reformat it with "
+                    "'make-bcache -C'",
+                    dev->bytes, dev->sb.nbuckets,
+                    mul_sat (bucket_sectors, BCH_SECTOR_SIZE), need);
+}
+
+/* Read, decode and validate the superblock.  Returns the exit status and
+ * prints the reason on failure.  dev->sb is meaningful when the status
+ * is EXIT_OK, EXIT_TRUNCATED (after decoding) or >= EXIT_CSUM. */
+static int
+load_super (struct device *dev)
+{
+  int r;
+
+  memset (&dev->sb, 0, sizeof dev->sb);
+  if (dev->bytes < MIN_DEVICE_BYTES)
+    return truncated (dev, "the device is %" PRIu64 " bytes, but a bcache "
+                      "device must be at least %u bytes (its superblock is "
+                      "at byte %u)",
+                      dev->bytes, MIN_DEVICE_BYTES, BCH_SB_OFFSET);
+  if (read_exact (dev, dev->area, sizeof dev->area, BCH_SB_OFFSET) == -1)
+    return EXIT_ERROR;
+
+  if (bch_sb_decode (dev->area, sizeof dev->area, &dev->sb, &dev->diag)
+      != BCH_OK)
+    return report_status (dev);
+
+  r = check_device_size (dev);
+  if (r != EXIT_OK)
+    return r;
+
+  if (bch_sb_validate (&dev->sb, dev->bytes / BCH_SECTOR_SIZE, &dev->diag)
+      != BCH_OK)
+    return report_status (dev);
+  return EXIT_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * The superblock view: everything the superblock mode shows
+ * ------------------------------------------------------------------------ */
+
+struct sb_view {
+  const struct device *dev;
+  const struct bch_sb *sb;
+  const char *status;           /* "ok" or bch_status_name */
+  const char *error;            /* diag message, or NULL */
+
+  char uuid[37], set_uuid[37];
+  uint64_t csum_computed;
+  const char *version_name;
+
+  /* bcache-super-show's dev.cache.* values (sectors). */
+  uint64_t bucket_sectors;
+  uint64_t cache_first_sector, cache_sectors, total_sectors;
+
+  /* Magics. */
+  uint64_t set_magic, jset_magic, pset_magic, bset_magic;
+
+  /* Layout; the per-bucket figures are 0 when the bucket size is
+   * nonsense. */
+  uint64_t block_bytes, bucket_bytes;
+  uint64_t btree_node_bytes, prios_per_bucket, prio_buckets, uuids_per_bucket;
+  unsigned njournal;            /* journal buckets, stored or planned */
+  bool journal_allocated;       /* njournal_buckets != 0 */
+  uint64_t journal_first, journal_last;
+  uint64_t device_bytes, cache_bytes;
+};
+
+static const char *
+version_name (uint64_t version)
+{
+  switch (version) {
+  case BCACHE_SB_VERSION_CDEV:
+  case BCACHE_SB_VERSION_CDEV_WITH_UUID:
+  case BCACHE_SB_VERSION_CDEV_WITH_FEATURES:
+    return "cache device";
+  case BCACHE_SB_VERSION_BDEV:
+  case BCACHE_SB_VERSION_BDEV_WITH_OFFSET:
+  case BCACHE_SB_VERSION_BDEV_WITH_FEATURES:
+    return "backing device";
+  default:
+    return "unknown";
+  }
+}
+
+static const char *
+replacement_name (unsigned r)
+{
+  switch (r) {
+  case BCH_REPLACEMENT_LRU:    return "lru";
+  case BCH_REPLACEMENT_FIFO:   return "fifo";
+  case BCH_REPLACEMENT_RANDOM: return "random";
+  default:                     return NULL;
+  }
+}
+
+static void
+view_layout (struct sb_view *v)
+{
+  const struct bch_sb *sb = v->sb;
+
+  v->block_bytes = (uint64_t) sb->block_size * BCH_SECTOR_SIZE;
+  v->bucket_bytes = mul_sat (v->bucket_sectors, BCH_SECTOR_SIZE);
+  if (v->bucket_sectors > 0 && v->bucket_bytes > BCH_PSET_HEADER_SIZE &&
+      v->bucket_bytes != UINT64_MAX) {
+    v->btree_node_bytes = bch_btree_node_bytes (v->bucket_sectors);
+    v->prios_per_bucket = bch_prios_per_bucket (v->bucket_bytes);
+    v->prio_buckets = bch_prio_buckets (sb->nbuckets, v->bucket_bytes);
+    v->uuids_per_bucket = bch_uuids_per_bucket (v->bucket_bytes);
+  }
+
+  /* The journal: d[] once allocated (contiguous in a valid superblock);
+   * before that, what first registration will choose. */
+  v->journal_allocated = sb->njournal_buckets != 0;
+  if (v->journal_allocated) {
+    v->njournal = sb->njournal_buckets < BCH_SB_JOURNAL_BUCKETS ?
+                  sb->njournal_buckets : BCH_SB_JOURNAL_BUCKETS;
+    v->journal_first = sb->d[0];
+    v->journal_last = sb->d[v->njournal - 1];
+  }
+  else {
+    v->njournal = bch_journal_buckets_for (sb->nbuckets);
+    v->journal_first = sb->first_bucket;
+    v->journal_last = (uint64_t) sb->first_bucket + v->njournal - 1;
+  }
+
+  v->device_bytes = v->dev->bytes;
+  v->cache_bytes = mul_sat (sb->nbuckets, v->bucket_bytes);
+}
+
+static void
+make_view (struct sb_view *v, const struct device *dev, int exit_status)
+{
+  const struct bch_sb *sb = &dev->sb;
+
+  memset (v, 0, sizeof *v);
+  v->dev = dev;
+  v->sb = sb;
+  v->status = exit_status == EXIT_OK ? "ok"
+                                     : bch_status_name (dev->diag.status);
+  v->error = exit_status == EXIT_OK ? NULL : dev->diag.msg;
+
+  bch_uuid_unparse (sb->uuid, v->uuid);
+  bch_uuid_unparse (sb->set_uuid, v->set_uuid);
+  v->csum_computed = bch_sb_csum (dev->area, sizeof dev->area);
+  v->version_name = version_name (sb->version);
+
+  /* Same arithmetic as bcache-super-show (wrapping u64), with the
+   * effective bucket size. */
+  v->bucket_sectors = bch_sb_bucket_sectors (sb);
+  v->cache_first_sector = v->bucket_sectors * sb->first_bucket;
+  v->cache_sectors = v->bucket_sectors * (sb->nbuckets - sb->first_bucket);
+  v->total_sectors = v->bucket_sectors * sb->nbuckets;
+
+  v->set_magic = bch_set_magic (sb);
+  v->jset_magic = bch_jset_magic (sb);
+  v->pset_magic = bch_pset_magic (sb);
+  v->bset_magic = bch_bset_magic (sb);
+
+  view_layout (v);
+}
+
+/* Names of the flag bits set in sb->flags, space separated, into buf. */
+static void
+flags_string (const struct bch_sb *sb, char *buf, size_t len)
+{
+  const char *rname = replacement_name (bch_sb_replacement (sb));
+  const uint64_t known = BCH_CACHE_SYNC | BCH_CACHE_DISCARD |
+                         BCH_CACHE_REPLACEMENT_MASK;
+  size_t n = 0;
+
+  buf[0] = '\0';
+#define APPEND(...)                                                     \
+  do {                                                                  \
+    if (n < len)                                                        \
+      n += (size_t) snprintf (buf + n, len - n, __VA_ARGS__);           \
+  } while (0)
+  if (sb->flags & BCH_CACHE_SYNC)
+    APPEND ("%sCACHE_SYNC", n ? " " : "");
+  if (sb->flags & BCH_CACHE_DISCARD)
+    APPEND ("%sCACHE_DISCARD", n ? " " : "");
+  if (rname)
+    APPEND ("%sCACHE_REPLACEMENT=%s", n ? " " : "", rname);
+  else
+    APPEND ("%sCACHE_REPLACEMENT=%u", n ? " " : "", bch_sb_replacement (sb));
+  if (sb->flags & ~known)
+    APPEND (" unknown=0x%" PRIx64, sb->flags & ~known);
+#undef APPEND
+}
+
+/* Names of the incompat feature bits. */
+static const char *
+incompat_name (uint64_t bit)
+{
+  switch (bit) {
+  case BCH_FEATURE_INCOMPAT_OBSO_LARGE_BUCKET: return "OBSO_LARGE_BUCKET";
+  case BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET:  return "LOG_LARGE_BUCKET_SIZE";
+  default:                                     return NULL;
+  }
+}
+
+/* Print d[] as a compact list of ascending runs: "1-4 9 12-13".  n is
+ * clamped to the size of d[]. */
+static void
+print_bucket_list (FILE *fp, const uint64_t *d, unsigned n)
+{
+  unsigned i = 0;
+
+  if (n > BCH_SB_JOURNAL_BUCKETS)
+    n = BCH_SB_JOURNAL_BUCKETS;
+  while (i < n) {
+    unsigned j = i;
+
+    while (j + 1 < n && d[j + 1] == d[j] + 1)
+      j++;
+    fprintf (fp, "%s%" PRIu64, i ? " " : "", d[i]);
+    if (j > i)
+      fprintf (fp, "-%" PRIu64, d[j]);
+    i = j + 1;
+  }
+}
+
+/* ------------------------------------------------------------------------
+ * Text output
+ * ------------------------------------------------------------------------ */
+
+/* Print "name<TAB...>" padded to column 24, as bcache-super-show does,
+ * then the formatted value and a newline. */
+static void __attribute__ ((format (printf, 2, 3)))
+field (const char *name, const char *fs, ...)
+{
+  size_t col = strlen (name);
+  va_list args;
+
+  fputs (name, stdout);
+  do {
+    putchar ('\t');
+    col = (col / 8 + 1) * 8;
+  } while (col < 24);
+  va_start (args, fs);
+  vprintf (fs, args);
+  va_end (args);
+  putchar ('\n');
+}
+
+/* The label as bcache-super-show prints it: alphanumerics and ".-_"
+ * as they are, any other byte as %xx (lower-case hex, not padded), up to
+ * the first NUL; "(empty)" if empty. */
+static void
+print_label_text (const uint8_t *label)
+{
+  size_t i;
+
+  fputs ("dev.label\t\t", stdout);
+  if (label[0] == '\0')
+    fputs ("(empty)", stdout);
+  for (i = 0; i < BCH_SB_LABEL_SIZE && label[i] != '\0'; i++) {
+    const unsigned c = label[i];
+
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') ||
+        (c >= 'A' && c <= 'Z') || strchr (".-_", (int) c))
+      putchar ((int) c);
+    else
+      printf ("%%%x", c);
+  }
+  putchar ('\n');
+}
+
+/* The part identical to bcache-super-show's output. */
+static void
+text_bcache_super_show (const struct sb_view *v)
+{
+  const struct bch_sb *sb = v->sb;
+  const unsigned repl = bch_sb_replacement (sb);
+  const char *rname = replacement_name (repl);
+
+  field ("sb.magic", "ok");
+  field ("sb.first_sector", "%" PRIu64 " [%s]", sb->offset,
+         sb->offset == BCH_SB_SECTOR ? "match" : "expected 8");
+  if (sb->csum == v->csum_computed)
+    field ("sb.csum", "%" PRIX64 " [match]", sb->csum);
+  else
+    field ("sb.csum", "%" PRIX64 " [expected %" PRIX64 "]",
+           sb->csum, v->csum_computed);
+  field ("sb.version", "%" PRIu64 " [%s]", sb->version, v->version_name);
+  putchar ('\n');
+
+  print_label_text (sb->label);
+  field ("dev.uuid", "%s", v->uuid);
+  field ("dev.sectors_per_block", "%u", sb->block_size);
+  field ("dev.sectors_per_bucket", "%" PRIu64, v->bucket_sectors);
+  field ("dev.cache.first_sector", "%" PRIu64, v->cache_first_sector);
+  field ("dev.cache.cache_sectors", "%" PRIu64, v->cache_sectors);
+  field ("dev.cache.total_sectors", "%" PRIu64, v->total_sectors);
+  field ("dev.cache.ordered", "%s", sb->flags & BCH_CACHE_SYNC ? "yes" : "no");
+  field ("dev.cache.discard", "%s",
+         sb->flags & BCH_CACHE_DISCARD ? "yes" : "no");
+  field ("dev.cache.pos", "%u", sb->nr_this_dev);
+  if (rname)
+    field ("dev.cache.replacement", "%u [%s]", repl, rname);
+  else
+    field ("dev.cache.replacement", "%u", repl);
+  putchar ('\n');
+
+  field ("cset.uuid", "%s", v->set_uuid);
+}
+
+/* Names of the feature bits set in bits, space separated, into buf
+ * (empty if none): the known incompat bits by name, any other bit as
+ * unknown=0x... */
+static void
+features_string (uint64_t bits, bool incompat, char *buf, size_t len)
+{
+  size_t n = 0;
+  uint64_t bit;
+
+  buf[0] = '\0';
+  for (bit = 1; bit != 0 && n < len; bit <<= 1) {
+    const char *s = incompat ? incompat_name (bit) : NULL;
+
+    if (!(bits & bit))
+      continue;
+    if (s)
+      n += (size_t) snprintf (buf + n, len - n, "%s%s", n ? " " : "", s);
+    else
+      n += (size_t) snprintf (buf + n, len - n, "%sunknown=0x%" PRIx64,
+                              n ? " " : "", bit);
+  }
+}
+
+/* Room for all 64 bits as " unknown=0x8000000000000000". */
+#define FEATURES_STRING_SIZE 2048
+
+/* "0x3 [OBSO_LARGE_BUCKET LOG_LARGE_BUCKET_SIZE]" or "0x0 [none]". */
+static void
+text_features (const char *name, uint64_t bits, bool incompat)
+{
+  char names[FEATURES_STRING_SIZE];
+
+  features_string (bits, incompat, names, sizeof names);
+  field (name, "0x%" PRIx64 " [%s]", bits, names[0] ? names : "none");
+}
+
+static void
+text_super_extra (const struct sb_view *v)
+{
+  const struct bch_sb *sb = v->sb;
+  char flags[128];
+  char date[32] = "never";
+
+  flags_string (sb, flags, sizeof flags);
+  if (sb->last_mount) {
+    const time_t t = sb->last_mount;
+    struct tm tm;
+
+    if (gmtime_r (&t, &tm))
+      strftime (date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  }
+
+  field ("sb.seq", "%" PRIu64, sb->seq);
+  field ("sb.flags", "0x%" PRIx64 " [%s]", sb->flags, flags);
+  text_features ("sb.feature_compat", sb->feature_compat, false);
+  text_features ("sb.feature_incompat", sb->feature_incompat, true);
+  text_features ("sb.feature_ro_compat", sb->feature_ro_compat, false);
+  field ("sb.last_mount", "%" PRIu32 " [%s]", sb->last_mount, date);
+  field ("sb.nr_in_set", "%u", sb->nr_in_set);
+  field ("sb.nr_this_dev", "%u", sb->nr_this_dev);
+  field ("sb.nbuckets", "%" PRIu64, sb->nbuckets);
+  field ("sb.first_bucket", "%u", sb->first_bucket);
+  field ("sb.bucket_size", "%u", sb->bucket_size);
+  field ("sb.njournal_buckets", "%u", sb->njournal_buckets);
+  fputs ("sb.d\t\t\t", stdout);
+  if (sb->njournal_buckets == 0)
+    fputs ("(none)", stdout);
+  print_bucket_list (stdout, sb->d, sb->njournal_buckets);
+  putchar ('\n');
+}
+
+static void
+text_magics (const struct sb_view *v)
+{
+  field ("cset.set_magic", "0x%016" PRIx64, v->set_magic);
+  field ("cset.jset_magic", "0x%016" PRIx64, v->jset_magic);
+  field ("cset.pset_magic", "0x%016" PRIx64, v->pset_magic);
+  field ("cset.bset_magic", "0x%016" PRIx64, v->bset_magic);
+}
+
+static void
+text_layout (const struct sb_view *v)
+{
+  field ("layout.block_bytes", "%" PRIu64, v->block_bytes);
+  field ("layout.bucket_bytes", "%" PRIu64, v->bucket_bytes);
+  field ("layout.nbuckets", "%" PRIu64, v->sb->nbuckets);
+  field ("layout.first_bucket", "%u", v->sb->first_bucket);
+  field ("layout.btree_node_bytes", "%" PRIu64, v->btree_node_bytes);
+  field ("layout.prios_per_bucket", "%" PRIu64, v->prios_per_bucket);
+  field ("layout.prio_buckets", "%" PRIu64, v->prio_buckets);
+  field ("layout.uuids_per_bucket", "%" PRIu64, v->uuids_per_bucket);
+  field ("layout.journal_buckets", "%" PRIu64 "-%" PRIu64 " [%u buckets, %s]",
+         v->journal_first, v->journal_last, v->njournal,
+         v->journal_allocated ? "allocated"
+                              : "allocated at first registration");
+  field ("layout.device_bytes", "%" PRIu64, v->device_bytes);
+  if (v->device_bytes >= v->cache_bytes)
+    field ("layout.cache_bytes", "%" PRIu64 " [fits, %" PRIu64 " bytes unused]",
+           v->cache_bytes, v->device_bytes - v->cache_bytes);
+  else
+    field ("layout.cache_bytes", "%" PRIu64 " [device too small by %" PRIu64
+           " bytes]", v->cache_bytes, v->cache_bytes - v->device_bytes);
+}
+
+static void
+show_super_text (const struct sb_view *v)
+{
+  text_bcache_super_show (v);
+  putchar ('\n');
+  text_super_extra (v);
+  putchar ('\n');
+  text_magics (v);
+  putchar ('\n');
+  text_layout (v);
+}
+
+/* ------------------------------------------------------------------------
+ * JSON output
+ *
+ * A tiny writer: objects nest up to JSON_MAX_DEPTH, and the writer
+ * remembers per level whether a separator is needed.
+ * ------------------------------------------------------------------------ */
+
+#define JSON_MAX_DEPTH 8
+
+struct json {
+  FILE *fp;
+  unsigned depth;
+  bool need_comma[JSON_MAX_DEPTH];
+};
+
+static void
+json_string (FILE *fp, const char *s, size_t len)
+{
+  size_t i;
+
+  fputc ('"', fp);
+  for (i = 0; i < len; i++) {
+    const unsigned char c = (unsigned char) s[i];
+
+    switch (c) {
+    case '"':  fputs ("\\\"", fp); break;
+    case '\\': fputs ("\\\\", fp); break;
+    case '\n': fputs ("\\n", fp); break;
+    case '\t': fputs ("\\t", fp); break;
+    case '\r': fputs ("\\r", fp); break;
+    default:
+      /* Control characters and, since a label is bytes and not
+       * necessarily UTF-8, every non-ASCII byte as \u00XX (the byte read
+       * as Latin-1). */
+      if (c < 0x20 || c >= 0x7f)
+        fprintf (fp, "\\u%04x", c);
+      else
+        fputc (c, fp);
+    }
+  }
+  fputc ('"', fp);
+}
+
+/* Start a member: separator, indentation and "key": */
+static void
+json_key (struct json *j, const char *key)
+{
+  if (j->need_comma[j->depth])
+    fputc (',', j->fp);
+  j->need_comma[j->depth] = true;
+  fprintf (j->fp, "\n%*s", (int) (2 * j->depth), "");
+  if (key) {
+    json_string (j->fp, key, strlen (key));
+    fputs (": ", j->fp);
+  }
+}
+
+static void
+json_open (struct json *j, const char *key, char bracket)
+{
+  if (j->depth > 0 || key)
+    json_key (j, key);
+  fputc (bracket, j->fp);
+  if (j->depth + 1 < JSON_MAX_DEPTH)
+    j->depth++;
+  j->need_comma[j->depth] = false;
+}
+
+static void
+json_close (struct json *j, char bracket)
+{
+  const bool empty = !j->need_comma[j->depth];
+
+  if (j->depth > 0)
+    j->depth--;
+  if (!empty)
+    fprintf (j->fp, "\n%*s", (int) (2 * j->depth), "");
+  fputc (bracket, j->fp);
+}
+
+static void
+json_u64 (struct json *j, const char *key, uint64_t n)
+{
+  json_key (j, key);
+  fprintf (j->fp, "%" PRIu64, n);
+}
+
+static void
+json_bool (struct json *j, const char *key, bool b)
+{
+  json_key (j, key);
+  fputs (b ? "true" : "false", j->fp);
+}
+
+static void
+json_str (struct json *j, const char *key, const char *s)
+{
+  json_key (j, key);
+  if (s)
+    json_string (j->fp, s, strlen (s));
+  else
+    fputs ("null", j->fp);
+}
+
+/* A space-separated list of words as a JSON array of strings. */
+static void
+json_words (struct json *j, const char *key, const char *words)
+{
+  json_open (j, key, '[');
+  while (*words) {
+    const size_t len = strcspn (words, " ");
+
+    if (len > 0) {
+      json_key (j, NULL);
+      json_string (j->fp, words, len);
+    }
+    words += len;
+    words += strspn (words, " ");
+  }
+  json_close (j, ']');
+}
+
+/* 64-bit checksums and magics: "0x%016x" strings (JSON numbers lose
+ * precision above 2^53 in most parsers). */
+static void
+json_hex64 (struct json *j, const char *key, uint64_t n)
+{
+  json_key (j, key);
+  fprintf (j->fp, "\"0x%016" PRIx64 "\"", n);
+}
+
+static void
+json_sb (struct json *j, const struct sb_view *v)
+{
+  const struct bch_sb *sb = v->sb;
+  char flags[128];
+  char features[FEATURES_STRING_SIZE];
+
+  flags_string (sb, flags, sizeof flags);
+  json_open (j, "sb", '{');
+  json_str (j, "magic", "ok");
+  json_u64 (j, "first_sector", sb->offset);
+  json_hex64 (j, "csum", sb->csum);
+  json_hex64 (j, "csum_expected", v->csum_computed);
+  json_bool (j, "csum_ok", sb->csum == v->csum_computed);
+  json_u64 (j, "version", sb->version);
+  json_str (j, "version_name", v->version_name);
+  json_u64 (j, "seq", sb->seq);
+  json_u64 (j, "flags", sb->flags);
+  json_words (j, "flags_decoded", flags);
+  json_u64 (j, "feature_compat", sb->feature_compat);
+  features_string (sb->feature_compat, false, features, sizeof features);
+  json_words (j, "feature_compat_decoded", features);
+  json_u64 (j, "feature_incompat", sb->feature_incompat);
+  features_string (sb->feature_incompat, true, features, sizeof features);
+  json_words (j, "feature_incompat_decoded", features);
+  json_u64 (j, "feature_ro_compat", sb->feature_ro_compat);
+  features_string (sb->feature_ro_compat, false, features, sizeof features);
+  json_words (j, "feature_ro_compat_decoded", features);
+  json_u64 (j, "last_mount", sb->last_mount);
+  json_u64 (j, "nr_in_set", sb->nr_in_set);
+  json_u64 (j, "nr_this_dev", sb->nr_this_dev);
+  json_u64 (j, "nbuckets", sb->nbuckets);
+  json_u64 (j, "first_bucket", sb->first_bucket);
+  json_u64 (j, "block_size", sb->block_size);
+  json_u64 (j, "bucket_size", sb->bucket_size);
+  json_u64 (j, "njournal_buckets", sb->njournal_buckets);
+  json_open (j, "d", '[');
+  for (unsigned i = 0;
+       i < sb->njournal_buckets && i < BCH_SB_JOURNAL_BUCKETS; i++)
+    json_u64 (j, NULL, sb->d[i]);
+  json_close (j, ']');
+  json_close (j, '}');
+}
+
+static void
+json_dev (struct json *j, const struct sb_view *v)
+{
+  const struct bch_sb *sb = v->sb;
+  size_t label_len = strnlen ((const char *) sb->label, BCH_SB_LABEL_SIZE);
+  const char *rname = replacement_name (bch_sb_replacement (sb));
+
+  json_open (j, "dev", '{');
+  json_key (j, "label");
+  json_string (j->fp, (const char *) sb->label, label_len);
+  json_str (j, "uuid", v->uuid);
+  json_u64 (j, "sectors_per_block", sb->block_size);
+  json_u64 (j, "sectors_per_bucket", v->bucket_sectors);
+  json_open (j, "cache", '{');
+  json_u64 (j, "first_sector", v->cache_first_sector);
+  json_u64 (j, "cache_sectors", v->cache_sectors);
+  json_u64 (j, "total_sectors", v->total_sectors);
+  json_bool (j, "ordered", sb->flags & BCH_CACHE_SYNC);
+  json_bool (j, "discard", sb->flags & BCH_CACHE_DISCARD);
+  json_u64 (j, "pos", sb->nr_this_dev);
+  json_u64 (j, "replacement", bch_sb_replacement (sb));
+  json_str (j, "replacement_name", rname);
+  json_close (j, '}');
+  json_close (j, '}');
+}
+
+static void
+json_cset (struct json *j, const struct sb_view *v)
+{
+  json_open (j, "cset", '{');
+  json_str (j, "uuid", v->set_uuid);
+  json_hex64 (j, "set_magic", v->set_magic);
+  json_hex64 (j, "jset_magic", v->jset_magic);
+  json_hex64 (j, "pset_magic", v->pset_magic);
+  json_hex64 (j, "bset_magic", v->bset_magic);
+  json_close (j, '}');
+}
+
+static void
+json_layout (struct json *j, const struct sb_view *v)
+{
+  json_open (j, "layout", '{');
+  json_u64 (j, "block_bytes", v->block_bytes);
+  json_u64 (j, "bucket_bytes", v->bucket_bytes);
+  json_u64 (j, "nbuckets", v->sb->nbuckets);
+  json_u64 (j, "first_bucket", v->sb->first_bucket);
+  json_u64 (j, "btree_node_bytes", v->btree_node_bytes);
+  json_u64 (j, "prios_per_bucket", v->prios_per_bucket);
+  json_u64 (j, "prio_buckets", v->prio_buckets);
+  json_u64 (j, "uuids_per_bucket", v->uuids_per_bucket);
+  json_u64 (j, "journal_first_bucket", v->journal_first);
+  json_u64 (j, "journal_last_bucket", v->journal_last);
+  json_u64 (j, "journal_nbuckets", v->njournal);
+  json_bool (j, "journal_allocated", v->journal_allocated);
+  json_u64 (j, "device_bytes", v->device_bytes);
+  json_u64 (j, "cache_bytes", v->cache_bytes);
+  json_bool (j, "fits", v->device_bytes >= v->cache_bytes);
+  json_close (j, '}');
+}
+
+static void
+show_super_json (const struct sb_view *v)
+{
+  struct json j = { .fp = stdout };
+
+  json_open (&j, NULL, '{');
+  json_str (&j, "device", v->dev->path);
+  json_str (&j, "status", v->status);
+  json_str (&j, "error", v->error);
+  json_sb (&j, v);
+  json_dev (&j, v);
+  json_cset (&j, v);
+  json_layout (&j, v);
+  json_close (&j, '}');
+  putchar ('\n');
+}
+
+/* ------------------------------------------------------------------------
+ * Modes and main
+ * ------------------------------------------------------------------------ */
+
+struct options {
+  bool json;
+  bool force;
+  const char *path;
+  /* The mode: shows something about a device whose superblock was
+   * loaded with status load_status (EXIT_OK, or >= EXIT_CSUM with
+   * --force).  Returns the exit status. */
+  int (*mode) (const struct options *, const struct device *,
+               int load_status);
+};
+
+static int
+mode_super (const struct options *opts, const struct device *dev,
+            int load_status)
+{
+  struct sb_view v;
+
+  make_view (&v, dev, load_status);
+  if (opts->json)
+    show_super_json (&v);
+  else
+    show_super_text (&v);
+  if (fflush (stdout) == EOF || ferror (stdout)) {
+    fprintf (stderr, "%s: error writing output: %m\n", PROGRAM_NAME);
+    return EXIT_ERROR;
+  }
+  return load_status;
+}
+
+static void
+usage (FILE *fp)
+{
+  fprintf (fp,
+           "Usage: %s [--json] [-f|--force] DEVICE\n"
+           "       %s --help | --version\n"
+           "Decode and check the bcache superblock of a cache device or file.\n"
+           "\n"
+           "      --json     print one JSON object instead of text\n"
+           "  -f, --force    print the superblock even if its checksum,\n"
+           "                 version, features or fields are bad\n"
+           "  -h, --help     print this help and exit\n"
+           "  -V, --version  print the version and exit\n"
+           "\n"
+           "Exit status: 0 ok, 1 usage or I/O error, 2 not bcache, 3 backing\n"
+           "device, 4 truncated, 5 bad checksum, 6 unsupported version or\n"
+           "features, 7 invalid superblock.  See bcachefilter-show(1).\n",
+           PROGRAM_NAME, PROGRAM_NAME);
+}
+
+/* Parse the command line into opts.  Returns -1 to continue, else the
+ * exit status. */
+static int
+parse_options (int argc, char *argv[], struct options *opts)
+{
+  enum { JSON_OPTION = 256 };
+  static const struct option long_options[] = {
+    { "json",    no_argument, NULL, JSON_OPTION },
+    { "force",   no_argument, NULL, 'f' },
+    { "help",    no_argument, NULL, 'h' },
+    { "version", no_argument, NULL, 'V' },
+    { NULL, 0, NULL, 0 }
+  };
+  int c;
+
+  opts->mode = mode_super;
+  while ((c = getopt_long (argc, argv, "fhV", long_options, NULL)) != -1) {
+    switch (c) {
+    case JSON_OPTION: opts->json = true; break;
+    case 'f': opts->force = true; break;
+    case 'h': usage (stdout); return EXIT_OK;
+    case 'V': printf ("%s %s\n", PROGRAM_NAME, PACKAGE_VERSION); return EXIT_OK;
+    default: usage (stderr); return EXIT_ERROR;
+    }
+  }
+  if (argc - optind != 1) {
+    fprintf (stderr, "%s: %s\n", PROGRAM_NAME,
+             optind == argc ? "missing DEVICE argument" : "too many arguments");
+    usage (stderr);
+    return EXIT_ERROR;
+  }
+  opts->path = argv[optind];
+  return -1;
+}
+
+/* Statuses for which --force still shows what was decoded. */
+static bool
+forceable (int status)
+{
+  return status == EXIT_CSUM || status == EXIT_UNSUPPORTED ||
+         status == EXIT_INVALID;
+}
+
+int
+main (int argc, char *argv[])
+{
+  struct options opts = { 0 };
+  static struct device dev;     /* static: holds the 4 KiB area */
+  CLEANUP_CLOSE int fd = -1;
+  int r;
+
+  r = parse_options (argc, argv, &opts);
+  if (r >= 0)
+    return r;
+
+  r = open_device (&dev, opts.path);
+  fd = dev.fd;
+  if (r != EXIT_OK)
+    return r;
+
+  r = load_super (&dev);
+  if (r != EXIT_OK && !(opts.force && forceable (r)))
+    return r;
+
+  return opts.mode (&opts, &dev, r);
+}
