@@ -1,0 +1,288 @@
+/* bcachefilter engine: sorted key sets.  See bset.h for the design.
+ *
+ * The sets are plain sorted arrays: binary search for lookups, memmove
+ * for inserts.  A leaf holds at most a node's worth of keys (about 10,000
+ * for a 256 KiB node), so an insert moves at most a few hundred KiB of
+ * memory, and usually much less; lookups, the hot path, are O(log n) with
+ * no indirection.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bset.h"
+
+struct ckey
+ckey_make (uint64_t inode, uint64_t end, uint64_t size, bool has_ptr,
+           uint64_t ptr, bool dirty)
+{
+  struct ckey k = { 0 };
+  struct bkey *b = ckey_bkey_mut (&k);
+
+  bkey_init (b, inode, end, size);
+  SET_KEY_PTRS (b, has_ptr ? 1 : 0);
+  SET_KEY_DIRTY (b, dirty ? 1 : 0);
+  k.ptr = has_ptr ? ptr : 0;
+  return k;
+}
+
+void
+ckey_cut_front (struct ckey *k, uint64_t n)
+{
+  uint64_t size = ckey_size (k);
+
+  if (n > size)
+    n = size;
+  SET_KEY_SIZE (ckey_bkey_mut (k), size - n);
+  /* The pointer moves with the start: for data it must name the new
+   * first sector; for a check key it keeps the (pointer - start)
+   * relation that keyset_replace_matches compares. */
+  if (ckey_has_ptr (k))
+    k->ptr = MAKE_PTR (PTR_GEN (k->ptr), PTR_OFFSET (k->ptr) + n,
+                       PTR_DEV (k->ptr));
+}
+
+void
+ckey_cut_back (struct ckey *k, uint64_t n)
+{
+  uint64_t size = ckey_size (k);
+
+  if (n > size)
+    n = size;
+  SET_KEY_SIZE (ckey_bkey_mut (k), size - n);
+  k->low -= n;
+}
+
+bool
+ckey_from_bkey (const struct bkey *b, struct ckey *out)
+{
+  if (KEY_PTRS (b) > 1)
+    return false;
+  out->high = b->high;
+  out->low = b->low;
+  out->ptr = KEY_PTRS (b) ? b->ptr[0] : 0;
+  return true;
+}
+
+void
+keyset_init (struct keyset *s, bool keep_whiteouts)
+{
+  s->k = NULL;
+  s->nr = s->cap = 0;
+  s->keep_whiteouts = keep_whiteouts;
+}
+
+void
+keyset_free (struct keyset *s)
+{
+  free (s->k);
+  s->k = NULL;
+  s->nr = s->cap = 0;
+}
+
+void
+keyset_clear (struct keyset *s)
+{
+  s->nr = 0;
+}
+
+int
+keyset_reserve (struct keyset *s, size_t n)
+{
+  size_t cap;
+  struct ckey *k;
+
+  if (n <= s->cap)
+    return 0;
+  cap = s->cap ? s->cap : 16;
+  while (cap < n)
+    cap *= 2;
+  k = realloc (s->k, cap * sizeof *k);
+  if (!k)
+    return -ENOMEM;
+  s->k = k;
+  s->cap = cap;
+  return 0;
+}
+
+size_t
+keyset_search (const struct keyset *s, uint64_t inode, uint64_t sector)
+{
+  size_t lo = 0, hi = s->nr;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (ckey_cmp_pos (&s->k[mid], inode, sector) <= 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static void
+insert_at (struct keyset *s, size_t i, const struct ckey *k)
+{
+  memmove (&s->k[i + 1], &s->k[i], (s->nr - i) * sizeof *k);
+  s->k[i] = *k;
+  s->nr++;
+}
+
+static void
+remove_range (struct keyset *s, size_t i, size_t n)
+{
+  memmove (&s->k[i], &s->k[i + n], (s->nr - i - n) * sizeof s->k[0]);
+  s->nr -= n;
+}
+
+int
+keyset_insert (struct keyset *s, const struct ckey *k)
+{
+  const uint64_t inode = ckey_inode (k);
+  const uint64_t start = ckey_start (k), end = ckey_end (k);
+  const bool add = ckey_has_ptr (k) || s->keep_whiteouts;
+  size_t i, j;
+
+  if (ckey_size (k) == 0)
+    return 0;
+  /* At most two new entries: the key itself and the tail of a key it
+   * splits.  Reserve first so failure leaves the set untouched. */
+  if (keyset_reserve (s, s->nr + 2) < 0)
+    return -ENOMEM;
+
+  i = keyset_search (s, inode, start);
+
+  /* A key that straddles both ends of k is split in two. */
+  if (i < s->nr && ckey_inode (&s->k[i]) == inode &&
+      ckey_start (&s->k[i]) < start && ckey_end (&s->k[i]) > end) {
+    struct ckey tail = s->k[i];
+
+    ckey_cut_front (&tail, end - ckey_start (&tail));
+    ckey_cut_back (&s->k[i], ckey_end (&s->k[i]) - start);
+    insert_at (s, i + 1, &tail);
+    if (add)
+      insert_at (s, i + 1, k);
+    return 0;
+  }
+
+  /* A key starting before k and ending inside it loses its tail. */
+  if (i < s->nr && ckey_inode (&s->k[i]) == inode &&
+      ckey_start (&s->k[i]) < start) {
+    ckey_cut_back (&s->k[i], ckey_end (&s->k[i]) - start);
+    i++;
+  }
+
+  /* Keys wholly inside k disappear. */
+  j = i;
+  while (j < s->nr && ckey_inode (&s->k[j]) == inode &&
+         ckey_end (&s->k[j]) <= end)
+    j++;
+  remove_range (s, i, j - i);
+
+  /* A key starting inside k and ending after it loses its head. */
+  if (i < s->nr && ckey_inode (&s->k[i]) == inode &&
+      ckey_start (&s->k[i]) < end)
+    ckey_cut_front (&s->k[i], end - ckey_start (&s->k[i]));
+
+  if (add)
+    insert_at (s, i, k);
+  return 0;
+}
+
+/* Is k (a piece of the set) an offset-adjusted copy of expect? */
+static bool
+matches_expected (const struct ckey *k, const struct ckey *expect)
+{
+  if (!ckey_has_ptr (k) || !ckey_has_ptr (expect))
+    return false;
+  if (ckey_dirty (k) != ckey_dirty (expect))
+    return false;
+  if (PTR_DEV (k->ptr) != PTR_DEV (expect->ptr) ||
+      PTR_GEN (k->ptr) != PTR_GEN (expect->ptr))
+    return false;
+  /* Same location relation: ptr - start is invariant under trimming. */
+  return PTR_OFFSET (k->ptr) - ckey_start (k) ==
+         PTR_OFFSET (expect->ptr) - ckey_start (expect);
+}
+
+bool
+keyset_replace_matches (const struct keyset *s, const struct ckey *k,
+                        const struct ckey *expect)
+{
+  const uint64_t inode = ckey_inode (k);
+  uint64_t pos = ckey_start (k);
+  const uint64_t end = ckey_end (k);
+
+  if (ckey_size (k) == 0)
+    return false;
+  for (size_t i = keyset_search (s, inode, pos); pos < end; i++) {
+    if (i >= s->nr || ckey_inode (&s->k[i]) != inode ||
+        ckey_start (&s->k[i]) > pos)
+      return false;           /* a hole: something removed part of it */
+    if (!matches_expected (&s->k[i], expect))
+      return false;
+    pos = ckey_end (&s->k[i]);
+  }
+  return true;
+}
+
+int
+keyset_put (struct keyset *s, const struct ckey *k)
+{
+  size_t i = keyset_search (s, ckey_inode (k), ckey_end (k));
+
+  if (i > 0 && ckey_cmp (&s->k[i - 1], k) == 0) {
+    s->k[i - 1] = *k;
+    return 0;
+  }
+  if (keyset_reserve (s, s->nr + 1) < 0)
+    return -ENOMEM;
+  insert_at (s, i, k);
+  return 0;
+}
+
+bool
+keyset_del (struct keyset *s, const struct ckey *k)
+{
+  size_t i = keyset_search (s, ckey_inode (k), ckey_end (k));
+
+  if (i > 0 && ckey_cmp (&s->k[i - 1], k) == 0) {
+    remove_range (s, i - 1, 1);
+    return true;
+  }
+  return false;
+}
+
+int
+keyset_append (struct keyset *s, const struct ckey *k)
+{
+  if (keyset_reserve (s, s->nr + 1) < 0)
+    return -ENOMEM;
+  s->k[s->nr++] = *k;
+  return 0;
+}
+
+const char *
+keyset_check (const struct keyset *s, unsigned level)
+{
+  for (size_t i = 0; i < s->nr; i++) {
+    const struct ckey *k = &s->k[i];
+
+    if (level == 0 && ckey_size (k) > ckey_end (k))
+      return "key size exceeds its offset";
+    if (level == 0 && ckey_size (k) == 0)
+      return "zero-size extent";
+    if (level == 0 && !ckey_has_ptr (k) && !s->keep_whiteouts)
+      return "whiteout in a merged leaf";
+    if (i == 0)
+      continue;
+    if (ckey_cmp (&s->k[i - 1], k) >= 0)
+      return "keys out of order";
+    if (level == 0 && ckey_inode (&s->k[i - 1]) == ckey_inode (k) &&
+        ckey_end (&s->k[i - 1]) > ckey_start (k))
+      return "overlapping extents";
+  }
+  return NULL;
+}

@@ -1,0 +1,301 @@
+/* Unit tests for core/bset: sorted extent sets.
+ *
+ * The main test is model based: a long random mix of extent inserts,
+ * whiteouts, check keys and replaces is applied both to a keyset and to a
+ * reference "one slot per sector" map, and after every operation the set
+ * is expanded sector by sector and compared with the map.  The seed comes
+ * from TEST_SEED or the clock and is printed first, so any failure can be
+ * replayed exactly.
+ */
+#include "config.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <check.h>
+
+#include "bset.h"
+
+static unsigned seed;
+
+/* xorshift64*: a small, seedable, reproducible generator. */
+static uint64_t rng_state;
+static uint64_t
+rnd (void)
+{
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 2685821657736338717ull;
+}
+static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
+
+/* ---- The reference model ------------------------------------------------ */
+#define M_INODES  3
+#define M_SECTORS 2048
+
+/* What a sector holds: nothing, or the pointer of its own sector. */
+struct slot {
+  bool present;
+  bool dirty;
+  uint64_t dev, gen, offset;   /* pointer to this very sector */
+};
+static struct slot model[M_INODES][M_SECTORS];
+
+static void
+model_insert (const struct ckey *k)
+{
+  uint64_t ino = ckey_inode (k);
+  for (uint64_t s = ckey_start (k); s < ckey_end (k); s++) {
+    struct slot *sl = &model[ino][s];
+    sl->present = ckey_has_ptr (k);
+    if (sl->present) {
+      sl->dirty = ckey_dirty (k);
+      sl->dev = PTR_DEV (k->ptr);
+      sl->gen = PTR_GEN (k->ptr);
+      sl->offset = PTR_OFFSET (k->ptr) + (s - ckey_start (k));
+    }
+  }
+}
+
+static bool
+model_replace_matches (const struct ckey *k, const struct ckey *expect)
+{
+  uint64_t ino = ckey_inode (k);
+  for (uint64_t s = ckey_start (k); s < ckey_end (k); s++) {
+    const struct slot *sl = &model[ino][s];
+    if (!sl->present || sl->dirty != ckey_dirty (expect) ||
+        sl->dev != PTR_DEV (expect->ptr) || sl->gen != PTR_GEN (expect->ptr) ||
+        sl->offset - s != PTR_OFFSET (expect->ptr) - ckey_start (expect))
+      return false;
+  }
+  return ckey_size (k) > 0;
+}
+
+/* Expand the set and compare with the model, sector by sector. */
+static void
+compare (const struct keyset *set, uint64_t op)
+{
+  static struct slot got[M_INODES][M_SECTORS];
+  const char *why = keyset_check (set, 0);
+
+  ck_assert_msg (why == NULL, "seed %u op %" PRIu64 ": %s", seed, op, why);
+  memset (got, 0, sizeof got);
+  for (size_t i = 0; i < set->nr; i++) {
+    const struct ckey *k = &set->k[i];
+    for (uint64_t s = ckey_start (k); s < ckey_end (k); s++) {
+      struct slot *sl = &got[ckey_inode (k)][s];
+      sl->present = true;
+      sl->dirty = ckey_dirty (k);
+      sl->dev = PTR_DEV (k->ptr);
+      sl->gen = PTR_GEN (k->ptr);
+      sl->offset = PTR_OFFSET (k->ptr) + (s - ckey_start (k));
+    }
+  }
+  for (int i = 0; i < M_INODES; i++)
+    for (int s = 0; s < M_SECTORS; s++) {
+      const struct slot *a = &model[i][s], *b = &got[i][s];
+      ck_assert_msg (a->present == b->present &&
+                     (!a->present ||
+                      (a->dirty == b->dirty && a->dev == b->dev &&
+                       a->gen == b->gen && a->offset == b->offset)),
+                     "seed %u op %" PRIu64 ": inode %d sector %d differs "
+                     "(model %s, set %s)", seed, op, i, s,
+                     a->present ? "data" : "hole",
+                     b->present ? "data" : "hole");
+    }
+}
+
+static struct ckey
+random_extent (bool allow_whiteout)
+{
+  uint64_t ino = rnd_below (M_INODES);
+  uint64_t size = 1 + (rnd () % 4 == 0 ? rnd_below (512) : rnd_below (16));
+  uint64_t start = rnd_below (M_SECTORS - size);
+  bool ptr = !allow_whiteout || rnd_below (5) != 0;
+  return ckey_make (ino, start + size, size, ptr,
+                    MAKE_PTR ((uint8_t) rnd (), rnd_below (1ull << 40), 0),
+                    rnd_below (3) == 0);
+}
+
+START_TEST (test_model_random)
+{
+  struct keyset set;
+  struct ckey pending[8];
+  unsigned npending = 0;
+  const uint64_t ops = 200000;
+
+  memset (model, 0, sizeof model);
+  keyset_init (&set, false);
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 1;
+
+  for (uint64_t op = 0; op < ops; op++) {
+    unsigned what = (unsigned) rnd_below (10);
+
+    if (what < 5) {                     /* write or whiteout */
+      struct ckey k = random_extent (true);
+      model_insert (&k);
+      ck_assert_int_eq (keyset_insert (&set, &k), 0);
+    }
+    else if (what < 7 && npending < 8) { /* read miss: check key */
+      struct ckey c = random_extent (false);
+      c = ckey_make (ckey_inode (&c), ckey_end (&c), ckey_size (&c), true,
+                     MAKE_PTR (0, rnd_below (1ull << 40), PTR_CHECK_DEV),
+                     false);
+      model_insert (&c);
+      ck_assert_int_eq (keyset_insert (&set, &c), 0);
+      pending[npending++] = c;
+    }
+    else if (npending > 0) {            /* miss completes: replace */
+      unsigned idx = (unsigned) rnd_below (npending);
+      struct ckey c = pending[idx];
+      struct ckey data = ckey_make (ckey_inode (&c), ckey_end (&c),
+                                    ckey_size (&c), true,
+                                    MAKE_PTR (1, rnd_below (1ull << 40), 0),
+                                    false);
+      bool want = model_replace_matches (&data, &c);
+      bool got = keyset_replace_matches (&set, &data, &c);
+
+      ck_assert_msg (want == got, "seed %u op %" PRIu64
+                     ": replace_matches %d, model says %d", seed, op, got,
+                     want);
+      if (got) {
+        model_insert (&data);
+        ck_assert_int_eq (keyset_insert (&set, &data), 0);
+      }
+      pending[idx] = pending[--npending];
+    }
+    if (op % 1009 == 0 || op == ops - 1)
+      compare (&set, op);
+  }
+  keyset_free (&set);
+}
+END_TEST
+
+/* Whiteouts are kept in an open set and override older keys on merge. */
+START_TEST (test_whiteouts_kept)
+{
+  struct keyset open;
+  struct ckey a = ckey_make (0, 100, 100, true, MAKE_PTR (0, 1000, 0), false);
+  struct ckey w = ckey_make (0, 60, 20, false, 0, false);
+
+  keyset_init (&open, true);
+  ck_assert_int_eq (keyset_insert (&open, &a), 0);
+  ck_assert_int_eq (keyset_insert (&open, &w), 0);
+  ck_assert_uint_eq (open.nr, 3);
+  ck_assert_uint_eq (ckey_end (&open.k[0]), 40);
+  ck_assert (!ckey_has_ptr (&open.k[1]));
+  ck_assert_uint_eq (ckey_start (&open.k[2]), 60);
+  /* The tail's pointer moved with its start. */
+  ck_assert_uint_eq (PTR_OFFSET (open.k[2].ptr), 1060);
+  ck_assert_ptr_null (keyset_check (&open, 0));
+  keyset_free (&open);
+}
+END_TEST
+
+/* Splitting a key in the middle keeps both ends, pointers adjusted. */
+START_TEST (test_split_middle)
+{
+  struct keyset s;
+  struct ckey a = ckey_make (2, 200, 100, true, MAKE_PTR (7, 5000, 0), true);
+  struct ckey b = ckey_make (2, 150, 10, true, MAKE_PTR (8, 9000, 0), false);
+
+  keyset_init (&s, false);
+  ck_assert_int_eq (keyset_insert (&s, &a), 0);
+  ck_assert_int_eq (keyset_insert (&s, &b), 0);
+  ck_assert_uint_eq (s.nr, 3);
+  ck_assert_uint_eq (ckey_start (&s.k[0]), 100);
+  ck_assert_uint_eq (ckey_end (&s.k[0]), 140);
+  ck_assert_uint_eq (PTR_OFFSET (s.k[0].ptr), 5000);
+  ck_assert_uint_eq (ckey_start (&s.k[2]), 150);
+  ck_assert_uint_eq (ckey_end (&s.k[2]), 200);
+  ck_assert_uint_eq (PTR_OFFSET (s.k[2].ptr), 5050);
+  ck_assert (ckey_dirty (&s.k[2]));
+  ck_assert_uint_eq (PTR_GEN (s.k[2].ptr), 7);
+  keyset_free (&s);
+}
+END_TEST
+
+/* A replace against a check key fails once anything touched the range,
+ * even a write that was later overwritten by identical-looking data. */
+START_TEST (test_replace_collision)
+{
+  struct keyset s;
+  struct ckey chk = ckey_make (0, 64, 64, true,
+                               MAKE_PTR (0, 12345, PTR_CHECK_DEV), false);
+  struct ckey data = ckey_make (0, 64, 64, true, MAKE_PTR (1, 800, 0), false);
+  struct ckey w = ckey_make (0, 10, 2, false, 0, false);
+
+  keyset_init (&s, false);
+  ck_assert_int_eq (keyset_insert (&s, &chk), 0);
+  ck_assert (keyset_replace_matches (&s, &data, &chk));
+  ck_assert_int_eq (keyset_insert (&s, &w), 0);
+  ck_assert (!keyset_replace_matches (&s, &data, &chk));
+  /* Another miss's check key over the same range does not match ours. */
+  keyset_clear (&s);
+  ck_assert_int_eq (keyset_insert (&s, &chk), 0);
+  struct ckey chk2 = ckey_make (0, 64, 64, true,
+                                MAKE_PTR (0, 999, PTR_CHECK_DEV), false);
+  ck_assert_int_eq (keyset_insert (&s, &chk2), 0);
+  ck_assert (!keyset_replace_matches (&s, &data, &chk));
+  keyset_free (&s);
+}
+END_TEST
+
+START_TEST (test_interior_put_del)
+{
+  struct keyset s;
+  struct ckey a = ckey_make (0, 100, 0, true, MAKE_PTR (1, 1024, 0), false);
+  struct ckey b = ckey_make (0, 50, 0, true, MAKE_PTR (1, 2048, 0), false);
+  struct ckey a2 = ckey_make (0, 100, 0, true, MAKE_PTR (2, 4096, 0), false);
+
+  keyset_init (&s, false);
+  ck_assert_int_eq (keyset_put (&s, &a), 0);
+  ck_assert_int_eq (keyset_put (&s, &b), 0);
+  ck_assert_int_eq (keyset_put (&s, &a2), 0);
+  ck_assert_uint_eq (s.nr, 2);
+  ck_assert_uint_eq (s.k[1].ptr, a2.ptr);
+  ck_assert_uint_eq (keyset_search (&s, 0, 50), 1);
+  ck_assert_uint_eq (keyset_search (&s, 0, 49), 0);
+  ck_assert (keyset_del (&s, &b));
+  ck_assert (!keyset_del (&s, &b));
+  ck_assert_uint_eq (s.nr, 1);
+  keyset_free (&s);
+}
+END_TEST
+
+static Suite *
+bset_suite (void)
+{
+  Suite *s = suite_create ("bset");
+  TCase *tc = tcase_create ("keyset");
+
+  tcase_set_timeout (tc, 600);
+  tcase_add_test (tc, test_whiteouts_kept);
+  tcase_add_test (tc, test_split_middle);
+  tcase_add_test (tc, test_replace_collision);
+  tcase_add_test (tc, test_interior_put_del);
+  tcase_add_test (tc, test_model_random);
+  suite_add_tcase (s, tc);
+  return s;
+}
+
+int
+main (void)
+{
+  const char *env = getenv ("TEST_SEED");
+  SRunner *sr;
+  int failed;
+
+  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
+  printf ("test-bset: seed=%u (set TEST_SEED to replay)\n", seed);
+  fflush (stdout);
+  sr = srunner_create (bset_suite ());
+  srunner_run_all (sr, CK_NORMAL);
+  failed = srunner_ntests_failed (sr);
+  srunner_free (sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
