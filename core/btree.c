@@ -1,0 +1,908 @@
+/* bcachefilter engine: the btree of extents.
+ *
+ * Design
+ * ------
+ * bcache's btree (research/bcache.md §1.5, §2.2): leaves hold extents,
+ * interior nodes hold one pointer key per child (offset = the child's
+ * greatest key), one node per bucket, each node on disk a log of bsets
+ * whose checksums are seeded by the node's pointer.
+ *
+ * In memory every node has a merged, sorted key set (what lookups read)
+ * and an open set: what changed since the node was last written.  A leaf
+ * never holds an extent crossing its range (previous key, key]: inserts
+ * are cut at node boundaries, so every leaf is self-contained.
+ *
+ * Writing (the checkpoint, btree_checkpoint):
+ *   1. under tree_lock (write), with no I/O: split nodes that outgrew a
+ *      node, pick for each dirty node what to write — its open set as a
+ *      new bset appended at `written`, or the whole node into a new bucket
+ *      when it is new or its log is full (copy on write; the parent gets
+ *      the new pointer) — and encode those bsets into buffers; seal the
+ *      open journal entry (keys journalled from now on are not in this
+ *      snapshot);
+ *   2. without locks: flush the device (data before the keys that point
+ *      at it), write the buffers, flush (children before parents);
+ *   3. write a journal entry carrying the new root and last_seq = the
+ *      sealed entry + 1, and wait for it: from then on recovery starts
+ *      from this tree and replays only newer entries;
+ *   4. free the buckets of nodes that the committed root no longer
+ *      reaches.
+ * A node freed (split, relocated) is still reachable from the last
+ * committed root, so its bucket is released only when a checkpoint whose
+ * snapshot was taken after the free has committed (the epoch rule: each
+ * dead bucket records the snapshot epoch current when it died).
+ *
+ * This is bcache's journal reclaim + btree write path folded into one
+ * step: every write of a node is followed by a flush before anything that
+ * depends on it, so a lost (unflushed) write can only lose the newest
+ * bset of a node whose keys the journal still holds.
+ *
+ * Crash argument for replace inserts (not journalled, like bcache): a
+ * fill's data is written before its key is inserted, and every later
+ * change of the backing store journals an invalidation of the range; the
+ * journal is replayed in order on top of whatever bsets reached the disk,
+ * so a clean key that survives recovery has no journalled change after it
+ * and still equals the backing store (I2).
+ *
+ * Locking: everything here runs under tree_lock (see engine.h), except
+ * the I/O phase of the checkpoint, which works on private buffers.  Node
+ * structs are freed only under tree_lock held for writing.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+/* ---- node hash ------------------------------------------------------------- */
+
+static size_t
+hash_slot (const struct btree *t, uint64_t bucket)
+{
+  return (bucket * 0x9E3779B97F4A7C15ull >> 20) % t->hash_size;
+}
+
+static void
+hash_add (struct btree *t, struct btree_node *n, uint64_t bucket)
+{
+  size_t s = hash_slot (t, bucket);
+  n->hash_next = t->hash[s];
+  t->hash[s] = n;
+}
+
+static void
+hash_del (struct btree *t, struct btree_node *n, uint64_t bucket)
+{
+  struct btree_node **p = &t->hash[hash_slot (t, bucket)];
+  while (*p && *p != n)
+    p = &(*p)->hash_next;
+  if (*p)
+    *p = n->hash_next;
+}
+
+static uint64_t
+node_bucket (const struct bcf_cache *c, const struct btree_node *n)
+{
+  return bucket_of_ptr (c, n->key.ptr);
+}
+
+/* The child node a pointer key names (NULL if not in memory). */
+static struct btree_node *
+hash_find (struct bcf_cache *c, const struct ckey *k)
+{
+  struct btree *t = &c->tree;
+  uint64_t b = bucket_of_ptr (c, k->ptr);
+
+  for (struct btree_node *n = t->hash[hash_slot (t, b)]; n; n = n->hash_next)
+    if (n->key.ptr == k->ptr)
+      return n;
+  return NULL;
+}
+
+struct btree_node *
+btree_child (struct bcf_cache *c, const struct ckey *k)
+{
+  return hash_find (c, k);
+}
+
+/* ---- nodes ------------------------------------------------------------------ */
+
+static uint64_t
+random_seq (void)
+{
+  static _Atomic uint64_t counter;
+  uint64_t x = bcf_now_ns () ^ (atomic_fetch_add (&counter, 1) << 48);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  return x ? x : 1;
+}
+
+static struct btree_node *
+node_new (struct bcf_cache *c, unsigned level, uint64_t bucket,
+          const struct ckey *range)
+{
+  struct btree_node *n = calloc (1, sizeof *n);
+  uint8_t gen;
+
+  if (!n)
+    return NULL;
+  n->level = level;
+  keyset_init (&n->keys, false);
+  keyset_init (&n->open, level == 0);
+  gen = c->alloc.buckets[bucket].gen;
+  n->key = ckey_make (ckey_inode (range), ckey_end (range),
+                      c->tree.node_bytes >> BCH_SECTOR_SHIFT, true,
+                      bucket_ptr (c, bucket, gen), false);
+  n->seq = random_seq ();
+  n->rewrite = true;
+  hash_add (&c->tree, n, bucket);
+  c->tree.nnodes++;
+  return n;
+}
+
+static void
+node_free (struct bcf_cache *c, struct btree_node *n)
+{
+  hash_del (&c->tree, n, node_bucket (c, n));
+  keyset_free (&n->keys);
+  keyset_free (&n->open);
+  free (n);
+  c->tree.nnodes--;
+}
+
+static int
+dead_add (struct bcf_cache *c, uint64_t bucket)
+{
+  struct btree *t = &c->tree;
+
+  if (t->ndead == t->dead_cap) {
+    size_t cap = t->dead_cap ? t->dead_cap * 2 : 16;
+    void *p = realloc (t->dead, cap * sizeof *t->dead);
+    if (!p)
+      return -ENOMEM;
+    t->dead = p;
+    t->dead_cap = cap;
+  }
+  t->dead[t->ndead].bucket = bucket;
+  t->dead[t->ndead].epoch = t->epoch;
+  t->ndead++;
+  return 0;
+}
+
+/* ---- setup ------------------------------------------------------------------ */
+
+int
+btree_init (struct bcf_cache *c)
+{
+  struct btree *t = &c->tree;
+
+  memset (t, 0, sizeof *t);
+  t->node_bytes = bch_btree_node_bytes (c->bucket_sectors);
+  /* A leaf is split when its merged keys would fill more than 4/5 of a
+   * node written as one bset (bcache's rule). */
+  t->max_leaf_keys = (t->node_bytes - BCH_BSET_HEADER_SIZE) /
+                     sizeof (struct ckey) * 4 / 5;
+  t->hash_size = 4096;
+  t->hash = calloc (t->hash_size, sizeof *t->hash);
+  return t->hash ? 0 : -ENOMEM;
+}
+
+static void
+free_subtree (struct bcf_cache *c, struct btree_node *n)
+{
+  if (n->level > 0)
+    for (size_t i = 0; i < n->keys.nr; i++) {
+      struct btree_node *ch = hash_find (c, &n->keys.k[i]);
+      if (ch)
+        free_subtree (c, ch);
+    }
+  node_free (c, n);
+}
+
+void
+btree_free (struct bcf_cache *c)
+{
+  struct btree *t = &c->tree;
+
+  if (t->root)
+    free_subtree (c, t->root);
+  t->root = NULL;
+  free (t->hash);
+  free (t->dead);
+  t->hash = NULL;
+  t->dead = NULL;
+}
+
+int
+btree_new_root (struct bcf_cache *c)
+{
+  struct ckey max;
+  uint64_t bucket;
+  int r;
+
+  r = alloc_bucket_nowait (c, RESERVE_BTREE, &bucket);
+  if (r < 0)
+    return r;
+  max = ckey_make (BKEY_MAX_INODE, BKEY_MAX_OFFSET, 0, false, 0, false);
+  c->tree.root = node_new (c, 0, bucket, &max);
+  return c->tree.root ? 0 : -ENOMEM;
+}
+
+/* ---- lookup ------------------------------------------------------------------ */
+
+/* Index of the child whose range (previous key, key] holds position
+ * (inode, pos). */
+static size_t
+child_index (const struct keyset *s, uint64_t inode, uint64_t pos)
+{
+  size_t i = keyset_search (s, inode, pos);
+  if (i > 0 && ckey_cmp_pos (&s->k[i - 1], inode, pos) == 0)
+    i--;
+  return i;
+}
+
+struct btree_node *
+btree_find_leaf (struct bcf_cache *c, uint64_t inode, uint64_t pos)
+{
+  struct btree_node *n = c->tree.root;
+
+  while (n && n->level > 0) {
+    size_t i = child_index (&n->keys, inode, pos);
+    if (i >= n->keys.nr)
+      i = n->keys.nr - 1;     /* the root's key is MAX_KEY: cannot happen */
+    n = hash_find (c, &n->keys.k[i]);
+  }
+  return n;
+}
+
+/* The parent of n (NULL for the root). */
+static struct btree_node *
+find_parent (struct bcf_cache *c, struct btree_node *n)
+{
+  struct btree_node *p = c->tree.root;
+
+  if (p == n)
+    return NULL;
+  while (p && p->level > n->level + 1) {
+    size_t i = child_index (&p->keys, ckey_inode (&n->key), ckey_end (&n->key));
+    p = i < p->keys.nr ? hash_find (c, &p->keys.k[i]) : NULL;
+  }
+  return p;
+}
+
+/* ---- insert ------------------------------------------------------------------ */
+
+/* Record a new or moved child pointer in interior node p.  Interior keys
+ * are only ever added or replaced at the same position (splits and
+ * relocations), never deleted, so an appended bset of puts replays
+ * exactly: on load a later key at the same position replaces the earlier
+ * one.  (Removing a child, as GC's coalescing would, must instead rewrite
+ * the parent into a new bucket.) */
+static int
+interior_update (struct btree_node *p, const struct ckey *k)
+{
+  int r = keyset_put (&p->open, k);
+  return r < 0 ? r : keyset_put (&p->keys, k);
+}
+
+static size_t
+btree_free_buckets (struct bcf_cache *c)
+{
+  struct alloc_state *a = &c->alloc;
+  size_t n;
+
+  pthread_mutex_lock (&a->lock);
+  n = a->free[RESERVE_BTREE].nr + a->free[RESERVE_NONE].nr;
+  pthread_mutex_unlock (&a->lock);
+  return n;
+}
+
+/* Split node n in two (and its ancestors as needed).  Returns 0, or
+ * -EAGAIN when there are not enough free buckets now. */
+static int
+split_node (struct bcf_cache *c, struct btree_node *n)
+{
+  struct btree *t = &c->tree;
+  struct btree_node *parent = find_parent (c, n), *n1, *n2;
+  uint64_t b1, b2, b3 = 0;
+  size_t m = n->keys.nr / 2;
+  struct ckey k1;
+  uint64_t t0 = bcf_now_ns ();
+  unsigned depth = t->root->level + 1;
+  int r;
+
+  if (n->keys.nr < 2)
+    return 0;
+  /* Worst case: every level splits and the root grows. */
+  if (btree_free_buckets (c) < 2 * depth + 1)
+    return -EAGAIN;
+  if (alloc_bucket_nowait (c, RESERVE_BTREE, &b1) < 0 ||
+      alloc_bucket_nowait (c, RESERVE_BTREE, &b2) < 0 ||
+      (!parent && alloc_bucket_nowait (c, RESERVE_BTREE, &b3) < 0))
+    return -EAGAIN;           /* cannot happen after the count above */
+
+  /* n1 takes the lower half; its range ends at its last key. */
+  k1 = ckey_make (ckey_inode (&n->keys.k[m - 1]), ckey_end (&n->keys.k[m - 1]),
+                  0, false, 0, false);
+  n1 = node_new (c, n->level, b1, &k1);
+  n2 = node_new (c, n->level, b2, &n->key);
+  if (!n1 || !n2)
+    return -ENOMEM;
+  for (size_t i = 0; i < n->keys.nr; i++)
+    if ((r = keyset_append (i < m ? &n1->keys : &n2->keys, &n->keys.k[i])) < 0)
+      return r;
+
+  if (!parent) {
+    struct ckey range = ckey_make (BKEY_MAX_INODE, BKEY_MAX_OFFSET, 0, false,
+                                   0, false);
+    parent = node_new (c, n->level + 1, b3, &range);
+    if (!parent)
+      return -ENOMEM;
+    t->root = parent;
+  }
+  if ((r = interior_update (parent, &n1->key)) < 0 ||
+      (r = interior_update (parent, &n2->key)) < 0)
+    return r;
+
+  dead_add (c, node_bucket (c, n));
+  node_free (c, n);
+  bcf_time_record (c, &c->stats.btree_split, bcf_now_ns () - t0);
+
+  if (parent->keys.nr > t->max_leaf_keys)
+    return split_node (c, parent);
+  return 0;
+}
+
+/* Insert one piece that lies inside leaf n. */
+static int
+leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k)
+{
+  size_t before = n->keys.nr;
+  int r;
+
+  if ((r = keyset_insert (&n->open, k)) < 0 ||
+      (r = keyset_insert (&n->keys, k)) < 0)
+    return r;
+  c->tree.nkeys += n->keys.nr - before;
+  if (n->keys.nr > c->tree.max_leaf_keys) {
+    r = split_node (c, n);
+    if (r == -EAGAIN)
+      r = 0;                  /* the checkpoint splits it later */
+  }
+  return r;
+}
+
+/* Cut k to the part inside leaf n (starting at pos). */
+static struct ckey
+piece_in_leaf (const struct btree_node *n, const struct ckey *k, uint64_t pos)
+{
+  struct ckey p = *k;
+  uint64_t end = ckey_end (k);
+
+  if (ckey_inode (&n->key) == ckey_inode (k) && ckey_end (&n->key) < end)
+    end = ckey_end (&n->key);
+  ckey_cut_front (&p, pos - ckey_start (k));
+  ckey_cut_back (&p, ckey_end (k) - end);
+  return p;
+}
+
+int
+btree_insert_locked (struct bcf_cache *c, const struct ckey *k)
+{
+  uint64_t pos = ckey_start (k);
+
+  while (pos < ckey_end (k)) {
+    struct btree_node *n = btree_find_leaf (c, ckey_inode (k), pos + 1);
+    struct ckey p;
+    int r;
+
+    if (!n)
+      return -EIO;
+    p = piece_in_leaf (n, k, pos);
+    if ((r = leaf_insert (c, n, &p)) < 0)
+      return r;
+    pos = ckey_end (&p);
+  }
+  return 0;
+}
+
+int
+btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
+                      const struct ckey *expect)
+{
+  uint64_t pos = ckey_start (k);
+
+  /* All or nothing: check every leaf first. */
+  while (pos < ckey_end (k)) {
+    struct btree_node *n = btree_find_leaf (c, ckey_inode (k), pos + 1);
+    struct ckey p;
+
+    if (!n)
+      return -EIO;
+    p = piece_in_leaf (n, k, pos);
+    if (!keyset_replace_matches (&n->keys, &p, expect))
+      return -EEXIST;
+    pos = ckey_end (&p);
+  }
+  return btree_insert_locked (c, k);
+}
+
+/* ---- visiting --------------------------------------------------------------- */
+
+static int
+visit (struct bcf_cache *c, struct btree_node *n, btree_visit_fn fn,
+       void *opaque)
+{
+  int r = fn (c, n, opaque);
+
+  if (r)
+    return r;
+  if (n->level > 0)
+    for (size_t i = 0; i < n->keys.nr; i++) {
+      struct btree_node *ch = hash_find (c, &n->keys.k[i]);
+      if (!ch)
+        return -EIO;
+      if ((r = visit (c, ch, fn, opaque)))
+        return r;
+    }
+  return 0;
+}
+
+int
+btree_visit (struct bcf_cache *c, btree_visit_fn fn, void *opaque)
+{
+  return c->tree.root ? visit (c, c->tree.root, fn, opaque) : 0;
+}
+
+/* ---- reading nodes ----------------------------------------------------------- */
+
+struct load_ctx {
+  struct bcf_cache *c;
+  struct btree_node *n;
+  int err;
+};
+
+static int
+load_bset (const struct bch_node_bset *set, void *opaque)
+{
+  struct load_ctx *l = opaque;
+  const uint8_t *p = (const uint8_t *) set->keys;
+  size_t w = 0;
+
+  while (w < set->hdr.keys) {
+    struct bkey_padded b;
+    struct ckey k;
+
+    if (bkey_decode (p + 8 * w, (set->hdr.keys - w) * 8, &b, NULL) != BCH_OK)
+      return -1;
+    w += bkey_u64s (&b.key);
+    if (!ckey_from_bkey (&b.key, &k)) {
+      l->err = -ENOTSUP;
+      return -1;
+    }
+    if (l->n->level == 0)
+      l->err = keyset_insert (&l->n->keys, &k);
+    else
+      l->err = keyset_put (&l->n->keys, &k);
+    if (l->err < 0)
+      return -1;
+  }
+  return 0;
+}
+
+int
+btree_node_read (struct bcf_cache *c, struct btree_node *n, char *err,
+                 size_t errlen)
+{
+  const size_t nb = c->tree.node_bytes;
+  struct bch_key_geometry geo = {
+    .nbuckets = c->sb.nbuckets, .bucket_sectors = c->bucket_sectors,
+    .first_bucket = c->sb.first_bucket, .nr_in_set = 1,
+  };
+  struct load_ctx l = { .c = c, .n = n };
+  struct bch_diag d;
+  uint8_t *buf;
+  size_t written;
+  unsigned nsets;
+  int r;
+
+  buf = bcf_buf_alloc (nb);
+  if (!buf)
+    return -ENOMEM;
+  r = bcf_io_pread (c->io, buf, nb, node_bucket (c, n) * c->bucket_bytes);
+  if (r < 0) {
+    snprintf (err, errlen, "reading btree node at bucket %" PRIu64 ": %s",
+              node_bucket (c, n), strerror (-r));
+    goto out;
+  }
+  keyset_clear (&n->keys);
+  if (bch_node_walk (buf, nb, c->block_bytes, bch_bset_magic (&c->sb),
+                     n->key.ptr, n->level, &geo, load_bset, &l, &nsets,
+                     &written, &d) != BCH_OK) {
+    snprintf (err, errlen, "btree node at bucket %" PRIu64 " (level %u): %s",
+              node_bucket (c, n), n->level,
+              l.err == -ENOTSUP ? "key with several pointers (multi-device "
+              "cache sets are not supported)" : d.msg);
+    r = l.err ? l.err : -EUCLEAN;
+    goto out;
+  }
+  n->seq = bch_get_le64 (buf + 16);
+  n->written = written;
+  n->rewrite = false;
+ out:
+  bcf_buf_free (buf, nb);
+  return r;
+}
+
+static int
+load_subtree (struct bcf_cache *c, struct btree_node *n, char *err,
+              size_t errlen)
+{
+  int r = btree_node_read (c, n, err, errlen);
+
+  if (r < 0)
+    return r;
+  if (n->level == 0) {
+    c->tree.nkeys += n->keys.nr;
+    return 0;
+  }
+  if (n->keys.nr == 0) {
+    snprintf (err, errlen, "interior btree node at bucket %" PRIu64
+              " is empty", node_bucket (c, n));
+    return -EUCLEAN;
+  }
+  for (size_t i = 0; i < n->keys.nr; i++) {
+    const struct ckey *k = &n->keys.k[i];
+    uint64_t b = bucket_of_ptr (c, k->ptr);
+    struct btree_node *ch;
+
+    if (b >= c->sb.nbuckets || hash_find (c, k)) {
+      snprintf (err, errlen, "btree node at bucket %" PRIu64 " points at "
+                "bucket %" PRIu64 " twice or outside the cache",
+                node_bucket (c, n), b);
+      return -EUCLEAN;
+    }
+    ch = calloc (1, sizeof *ch);
+    if (!ch)
+      return -ENOMEM;
+    ch->level = n->level - 1;
+    ch->key = *k;
+    keyset_init (&ch->keys, false);
+    keyset_init (&ch->open, ch->level == 0);
+    hash_add (&c->tree, ch, b);
+    c->tree.nnodes++;
+    if ((r = load_subtree (c, ch, err, errlen)) < 0)
+      return r;
+  }
+  return 0;
+}
+
+int
+btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
+            char *err, size_t errlen)
+{
+  struct btree_node *n = calloc (1, sizeof *n);
+
+  if (!n)
+    return -ENOMEM;
+  n->level = level;
+  n->key = *root;
+  keyset_init (&n->keys, false);
+  keyset_init (&n->open, level == 0);
+  hash_add (&c->tree, n, bucket_of_ptr (c, root->ptr));
+  c->tree.nnodes++;
+  c->tree.root = n;
+  return load_subtree (c, n, err, errlen);
+}
+
+/* ---- the checkpoint --------------------------------------------------------- */
+
+struct node_write {
+  void *buf;
+  size_t alloc;               /* bytes allocated */
+  size_t len;                 /* bytes to write: a block multiple */
+  uint64_t off;               /* device bytes */
+  unsigned level;
+};
+
+struct ckpt {
+  struct node_write *w;
+  size_t nw, cap;
+};
+
+static size_t
+round_block (const struct bcf_cache *c, size_t x)
+{
+  return (x + c->block_bytes - 1) / c->block_bytes * c->block_bytes;
+}
+
+/* Encode the keys of a set as one bset into a new buffer. */
+static int
+encode_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
+             const struct keyset *s, size_t at)
+{
+  /* An upper bound (keys without a pointer take two words, not three);
+   * what is written is the real size, rounded to a block. */
+  size_t bytes = BCH_BSET_HEADER_SIZE + s->nr * sizeof (struct ckey);
+  size_t alloc = round_block (c, bytes), len, used;
+  uint8_t *buf, *p;
+  uint32_t words = 0;
+
+  if (ck->nw == ck->cap) {
+    size_t cap = ck->cap ? ck->cap * 2 : 32;
+    void *nw = realloc (ck->w, cap * sizeof *ck->w);
+    if (!nw)
+      return -ENOMEM;
+    ck->w = nw;
+    ck->cap = cap;
+  }
+  buf = bcf_buf_alloc (alloc);
+  if (!buf)
+    return -ENOMEM;
+  memset (buf, 0, alloc);
+  p = buf + BCH_BSET_HEADER_SIZE;
+  for (size_t i = 0; i < s->nr; i++) {
+    size_t kb = bkey_encode (ckey_bkey (&s->k[i]), p, buf + alloc - p);
+    p += kb;
+    words += (uint32_t) (kb / 8);
+  }
+  used = bch_bset_seal (buf, alloc, bch_bset_magic (&c->sb), n->seq, words,
+                        n->key.ptr);
+  len = round_block (c, used);
+  bcf_log (c, BCF_LOG_DEBUG, "node write: bucket %" PRIu64 " level %u at "
+           "%zu, %zu bytes, %zu keys, seq %" PRIx64, node_bucket (c, n),
+           n->level, at, len, s->nr, n->seq);
+  ck->w[ck->nw++] = (struct node_write) {
+    .buf = buf, .alloc = alloc, .len = len,
+    .off = node_bucket (c, n) * c->bucket_bytes + at, .level = n->level,
+  };
+  return 0;
+}
+
+/* Move node n to a fresh bucket (its log is full): copy on write.  The
+ * parent learns the new pointer through its open set. */
+static int
+relocate_node (struct bcf_cache *c, struct btree_node *n)
+{
+  struct btree_node *parent = find_parent (c, n);
+  uint64_t old = node_bucket (c, n), nb;
+  int r;
+
+  if ((r = alloc_bucket_nowait (c, RESERVE_BTREE, &nb)) < 0)
+    return r;
+  hash_del (&c->tree, n, old);
+  n->key.ptr = bucket_ptr (c, nb, c->alloc.buckets[nb].gen);
+  hash_add (&c->tree, n, nb);
+  n->seq = random_seq ();
+  n->rewrite = true;
+  n->written = 0;
+  dead_add (c, old);
+  if (parent)
+    return interior_update (parent, &n->key);
+  return 0;
+}
+
+struct snap_ctx {
+  struct ckpt *ck;
+  unsigned level;
+  int err;
+};
+
+/* Phase 1 for one node at the level being processed. */
+static int
+snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct snap_ctx *s = opaque;
+  size_t need;
+  int r;
+
+  if (n->level != s->level || (!n->rewrite && n->open.nr == 0))
+    return 0;
+  need = round_block (c, BCH_BSET_HEADER_SIZE +
+                      n->open.nr * sizeof (struct ckey));
+  if (!n->rewrite && n->written + need > c->tree.node_bytes)
+    if ((r = relocate_node (c, n)) < 0)
+      return s->err = r;
+  if (n->rewrite) {
+    r = encode_bset (c, s->ck, n, &n->keys, 0);
+    n->written = r == 0 ? s->ck->w[s->ck->nw - 1].len : 0;
+  }
+  else {
+    r = encode_bset (c, s->ck, n, &n->open, n->written);
+    if (r == 0)
+      n->written += s->ck->w[s->ck->nw - 1].len;
+  }
+  if (r < 0)
+    return s->err = r;
+  n->rewrite = false;
+  keyset_clear (&n->open);
+  return 0;
+}
+
+/* Count the nodes whose next bset does not fit in their bucket. */
+struct reloc_ctx { size_t n; };
+static int
+count_relocations (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct reloc_ctx *rc = opaque;
+  size_t need = round_block (c, BCH_BSET_HEADER_SIZE +
+                             n->open.nr * sizeof (struct ckey));
+
+  if (!n->rewrite && n->open.nr && n->written + need > c->tree.node_bytes)
+    rc->n++;
+  return 0;
+}
+
+/* Split every node that outgrew a node.  Returns -EAGAIN if buckets ran
+ * out. */
+struct oversize_ctx { struct btree_node *found; };
+static int
+find_oversized (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct oversize_ctx *o = opaque;
+  if (n->keys.nr > c->tree.max_leaf_keys) {
+    o->found = n;
+    return 1;
+  }
+  return 0;
+}
+
+static int
+split_oversized (struct bcf_cache *c)
+{
+  for (;;) {
+    struct oversize_ctx o = { NULL };
+    int r;
+
+    btree_visit (c, find_oversized, &o);
+    if (!o.found)
+      return 0;
+    if ((r = split_node (c, o.found)) < 0)
+      return r;
+  }
+}
+
+static void
+ckpt_free (struct ckpt *ck)
+{
+  for (size_t i = 0; i < ck->nw; i++)
+    bcf_buf_free (ck->w[i].buf, ck->w[i].alloc);
+  free (ck->w);
+}
+
+/* Phase 1: returns 0 with the writes in ck, root and last_seq set; or
+ * -EAGAIN (needs buckets; nothing was changed that matters). */
+static int
+snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
+          unsigned *root_level, uint64_t *last_seq, uint64_t *epoch)
+{
+  int r;
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  r = split_oversized (c);
+  /* Nothing below may fail half way: it clears open sets and advances
+   * `written` as it encodes.  So first make sure every relocation can get
+   * its bucket: each node whose log is full moves, and the pointer update
+   * may in turn fill its parent's log, up to the root. */
+  if (r == 0) {
+    struct reloc_ctx rc = { 0 };
+    btree_visit (c, count_relocations, &rc);
+    if (btree_free_buckets (c) < rc.n * (c->tree.root->level + 1) + 1)
+      r = -EAGAIN;
+  }
+  if (r == 0) {
+    for (unsigned lvl = 0; lvl <= c->tree.root->level && r == 0; lvl++) {
+      struct snap_ctx s = { .ck = ck, .level = lvl };
+      btree_visit (c, snapshot_node, &s);
+      r = s.err;
+    }
+    if (r < 0) {
+      /* Out of memory half way: the tree in memory no longer matches
+       * what can be written.  Stop writing metadata. */
+      bcf_log (c, BCF_LOG_ERROR, "checkpoint snapshot failed: %s",
+               strerror (-r));
+      c->failed = true;
+    }
+  }
+  if (r == 0) {
+    *root = c->tree.root->key;
+    *root_level = c->tree.root->level;
+    *last_seq = journal_seal_locked (c) + 1;
+    *epoch = c->tree.epoch++;
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+  return r;
+}
+
+static int
+cmp_level (const void *a, const void *b)
+{
+  const struct node_write *x = a, *y = b;
+  return (int) x->level - (int) y->level;
+}
+
+int
+btree_checkpoint (struct bcf_cache *c)
+{
+  struct ckpt ck = { 0 };
+  struct ckey root = { 0 };
+  unsigned root_level = 0, level;
+  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns ();
+  size_t i, j;
+  int r, tries = 0;
+
+  if (c->failed)
+    return -EIO;
+  while ((r = snapshot (c, &ck, &root, &root_level, &last_seq, &epoch))
+         == -EAGAIN && tries++ < 8) {
+    ckpt_free (&ck);
+    memset (&ck, 0, sizeof ck);
+    if ((r = alloc_refill_ckpt_locked (c)) < 0 && r != -ENOSPC)
+      return r;
+  }
+  if (r < 0) {
+    ckpt_free (&ck);
+    if (r != -EAGAIN)
+      c->failed = true;
+    return r == -EAGAIN ? -ENOSPC : r;
+  }
+
+  /* Phase 2: data first, then nodes level by level, each level flushed
+   * before its parents are written. */
+  qsort (ck.w, ck.nw, sizeof *ck.w, cmp_level);
+  r = bcf_io_flush (c->io);
+  for (i = 0; i < ck.nw && r == 0; i = j) {
+    struct bcf_io_seg segs[64];
+    unsigned n = 0;
+
+    level = ck.w[i].level;
+    for (j = i; j < ck.nw && ck.w[j].level == level; j++) {
+      segs[n++] = (struct bcf_io_seg) {
+        .op = BCF_IO_WRITE, .buf = ck.w[j].buf, .len = ck.w[j].len,
+        .off = ck.w[j].off,
+      };
+      if (n == 64 || j + 1 == ck.nw || ck.w[j + 1].level != level) {
+        if ((r = bcf_io_submit (c->io, segs, n)) < 0)
+          break;
+        n = 0;
+      }
+    }
+    if (r == 0)
+      r = bcf_io_flush (c->io);
+  }
+  ckpt_free (&ck);
+
+  /* Phase 3: commit. */
+  if (r == 0) {
+    pthread_mutex_lock (&c->journal.lock);
+    c->committed_root = root;
+    c->committed_level = root_level;
+    pthread_mutex_unlock (&c->journal.lock);
+    journal_set_last_seq (c, last_seq);
+    r = journal_meta (c);
+  }
+  if (r < 0) {
+    bcf_log (c, BCF_LOG_ERROR, "btree checkpoint failed: %s; the cache is "
+             "now read-only", strerror (-r));
+    c->failed = true;
+    return r;
+  }
+
+  /* Phase 4: buckets freed before this snapshot are unreachable now. */
+  pthread_rwlock_wrlock (&c->tree_lock);
+  for (i = j = 0; i < c->tree.ndead; i++) {
+    if (c->tree.dead[i].epoch <= epoch)
+      alloc_release_meta (c, c->tree.dead[i].bucket);
+    else
+      c->tree.dead[j++] = c->tree.dead[i];
+  }
+  c->tree.ndead = j;
+  pthread_rwlock_unlock (&c->tree_lock);
+  bcf_time_record (c, &c->stats.checkpoint, bcf_now_ns () - t0);
+  return 0;
+}

@@ -1,0 +1,763 @@
+/* bcachefilter engine: the public API (include/bcachefilter/cache.h).
+ *
+ * Design
+ * ------
+ * The operations the request path needs, built from the modules: lookups
+ * read the btree under tree_lock (read); inserts take it for writing just
+ * long enough to add their keys to the journal and the tree, so journal
+ * order is tree order; all device I/O (data writes, hit reads, journal
+ * and node writes) happens with no btree lock held.
+ *
+ * Keys are at most 65535 sectors (KEY_SIZE is 16 bits) and a data extent
+ * lies in one bucket, so long ranges become several keys; each piece of a
+ * cache-miss fill is replace-inserted against the matching piece of the
+ * check key (same pointer-minus-start relation), so pieces succeed or
+ * collide independently.
+ *
+ * Cache hits are read and then the pointer's gen is checked again: if the
+ * bucket was invalidated meanwhile the data may belong to a new owner, so
+ * the read is reported stale and the caller goes to the backing store
+ * (bcache's cache_read_races).  The gen is stored with release order when
+ * a bucket is invalidated, and the allocator never hands a bucket out
+ * before its new gen is persisted, which takes far longer than any read;
+ * the recheck closes the remaining window.
+ *
+ * Locking: see engine.h.  Background threads: the journal timer (writes the
+ * open entry after journal_delay_ms, checkpoints when the journal is half
+ * full), the allocator (keeps the free lists filled) and GC.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "super.h"
+
+#define MAX_KEY_SECTORS BKEY_MAX_SIZE
+
+uint64_t
+bcf_now_ns (void)
+{
+  struct timespec ts;
+  clock_gettime (CLOCK_MONOTONIC, &ts);
+  return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
+void
+bcf_log (struct bcf_cache *c, enum bcf_log_level level, const char *fmt, ...)
+{
+  char msg[512];
+  va_list ap;
+
+  if (!c->opts.log)
+    return;
+  va_start (ap, fmt);
+  vsnprintf (msg, sizeof msg, fmt, ap);
+  va_end (ap);
+  c->opts.log (c->opts.log_opaque, level, msg);
+}
+
+void
+bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t, uint64_t ns)
+{
+  pthread_mutex_lock (&c->stats.time_lock);
+  t->count++;
+  t->total_ns += ns;
+  t->last_ns = ns;
+  if (ns > t->max_ns)
+    t->max_ns = ns;
+  pthread_mutex_unlock (&c->stats.time_lock);
+}
+
+/* ---- open / close -------------------------------------------------------------- */
+
+int
+bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
+                char *err, size_t errlen)
+{
+  struct bcf_cache *c;
+  struct bcf_io_opts io = { 0 };
+  int64_t size;
+  int r;
+
+  *cp = NULL;
+  if (!opts->backing.ops) {
+    snprintf (err, errlen, "no backing store given");
+    return -EINVAL;
+  }
+  size = opts->backing.ops->size (opts->backing.opaque);
+  if (size < 0) {
+    snprintf (err, errlen, "cannot get the size of the backing store: %s",
+              strerror ((int) -size));
+    return (int) size;
+  }
+  c = calloc (1, sizeof *c);
+  if (!c)
+    return -ENOMEM;
+  c->opts = *opts;
+  c->backing_sectors = (uint64_t) size >> BCH_SECTOR_SHIFT;
+  pthread_rwlock_init (&c->tree_lock, NULL);
+  pthread_mutex_init (&c->ckpt_lock, NULL);
+  pthread_mutex_init (&c->stats.time_lock, NULL);
+  gc_init (c);
+
+  io.path = opts->path;
+  io.mode = (enum bcf_io_mode) opts->io_mode;
+  io.direct = opts->direct_off ? BCF_IO_DIRECT_OFF : BCF_IO_DIRECT_AUTO;
+  io.create_size = opts->create_size;
+  r = bcf_io_open (&io, &c->io, err, errlen);
+  if (r < 0)
+    goto fail;
+  if (bcf_io_notice (c->io))
+    bcf_log (c, BCF_LOG_INFO, "%s", bcf_io_notice (c->io));
+
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = super_open (c, err, errlen);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  if (r < 0)
+    goto fail;
+  *cp = c;
+  return 0;
+
+ fail:
+  if (c->io)
+    super_close_state (c);
+  bcf_io_close (c->io);
+  gc_free (c);
+  pthread_rwlock_destroy (&c->tree_lock);
+  pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->stats.time_lock);
+  free (c);
+  return r;
+}
+
+int
+bcf_cache_close (struct bcf_cache *c)
+{
+  int r = 0, r2;
+
+  if (!c)
+    return 0;
+  bcf_cache_stop_threads (c);
+  if (!c->failed) {
+    pthread_mutex_lock (&c->ckpt_lock);
+    r = btree_checkpoint (c);
+    pthread_mutex_unlock (&c->ckpt_lock);
+  }
+  super_close_state (c);
+  r2 = bcf_io_close (c->io);
+  if (r == 0)
+    r = r2;
+  gc_free (c);
+  pthread_rwlock_destroy (&c->tree_lock);
+  pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->stats.time_lock);
+  free (c);
+  return r;
+}
+
+struct bcf_io *
+bcf_cache_test_io (struct bcf_cache *c)
+{
+  return c->io;
+}
+
+int
+bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode)
+{
+  int r;
+
+  bcf_cache_stop_threads (c);
+  r = bcf_io_crash (c->io, seed, (enum bcf_io_crash_mode) mode);
+  c->io = NULL;
+  super_close_state (c);
+  gc_free (c);
+  pthread_rwlock_destroy (&c->tree_lock);
+  pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->stats.time_lock);
+  free (c);
+  return r;
+}
+
+unsigned
+bcf_cache_block_size (const struct bcf_cache *c)
+{
+  return c->block_bytes;
+}
+
+uint64_t
+bcf_cache_backing_size (const struct bcf_cache *c)
+{
+  return c->backing_sectors << BCH_SECTOR_SHIFT;
+}
+
+/* ---- helpers --------------------------------------------------------------------- */
+
+/* Check the alignment of a request; returns its sectors. */
+static int
+to_sectors (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            uint64_t *start, uint64_t *end)
+{
+  if (len == 0 || offset % c->block_bytes || len % c->block_bytes ||
+      offset + len < offset ||
+      (offset + len) >> BCH_SECTOR_SHIFT > c->backing_sectors)
+    return -EINVAL;
+  *start = offset >> BCH_SECTOR_SHIFT;
+  *end = (offset + len) >> BCH_SECTOR_SHIFT;
+  return 0;
+}
+
+/* Insert under the tree lock, journalled if seq is non-NULL.  Handles a
+ * full journal entry by dropping the lock and making room. */
+static int
+insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
+{
+  for (;;) {
+    int r;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    if (seq) {
+      uint64_t s = journal_add_key_locked (c, k);
+      if (s == 0) {
+        pthread_rwlock_unlock (&c->tree_lock);
+        if ((r = journal_make_room (c)) < 0)
+          return r;
+        continue;
+      }
+      if (s > *seq)
+        *seq = s;
+    }
+    r = btree_insert_locked (c, k);
+    pthread_rwlock_unlock (&c->tree_lock);
+    return r;
+  }
+}
+
+/* Device I/O from / to a caller's buffer, which need not be aligned as
+ * O_DIRECT requires: misaligned buffers go through an aligned bounce
+ * buffer. */
+static int
+dev_write (struct bcf_cache *c, const void *data, size_t len, uint64_t off)
+{
+  void *b;
+  int r;
+
+  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
+    return bcf_io_pwrite (c->io, data, len, off);
+  if (!(b = bcf_buf_alloc (len)))
+    return -ENOMEM;
+  memcpy (b, data, len);
+  r = bcf_io_pwrite (c->io, b, len, off);
+  bcf_buf_free (b, len);
+  return r;
+}
+
+static int
+dev_read (struct bcf_cache *c, void *data, size_t len, uint64_t off)
+{
+  void *b;
+  int r;
+
+  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
+    return bcf_io_pread (c->io, data, len, off);
+  if (!(b = bcf_buf_alloc (len)))
+    return -ENOMEM;
+  r = bcf_io_pread (c->io, b, len, off);
+  if (r == 0)
+    memcpy (data, b, len);
+  bcf_buf_free (b, len);
+  return r;
+}
+
+/* ---- reads ------------------------------------------------------------------------ */
+
+int
+bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            struct bcf_extent *out, unsigned max, unsigned *n)
+{
+  const uint64_t inode = c->inode;
+  uint64_t pos, end;
+  unsigned i = 0;
+  bool all_hit = true;
+  int r;
+
+  *n = 0;
+  if ((r = to_sectors (c, offset, len, &pos, &end)) < 0 || max == 0)
+    return r < 0 ? r : -EINVAL;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  while (pos < end && i < max) {
+    struct btree_node *leaf = btree_find_leaf (c, inode, pos + 1);
+    const struct keyset *s;
+    size_t ki;
+
+    if (!leaf) {
+      r = -EIO;
+      break;
+    }
+    s = &leaf->keys;
+    for (ki = keyset_search (s, inode, pos); pos < end && i < max; ki++) {
+      const struct ckey *k = ki < s->nr && ckey_inode (&s->k[ki]) == inode
+                             ? &s->k[ki] : NULL;
+      uint64_t leaf_end = ckey_inode (&leaf->key) == inode
+                          ? ckey_end (&leaf->key) : UINT64_MAX;
+      uint64_t stop, kstart = k ? ckey_start (k) : UINT64_MAX;
+      bool hit = false;
+
+      if (kstart > pos) {               /* a hole before k */
+        stop = kstart < end ? kstart : end;
+        if (stop > leaf_end)
+          stop = leaf_end;
+        ki--;                           /* look at k again */
+      }
+      else {
+        stop = ckey_end (k) < end ? ckey_end (k) : end;
+        hit = ckey_has_ptr (k) && !ckey_is_check (k) &&
+              !ptr_stale (c, k->ptr);
+      }
+      if (hit) {
+        uint64_t dev = PTR_OFFSET (k->ptr) + (pos - kstart);
+        out[i++] = (struct bcf_extent) {
+          .kind = BCF_EXTENT_HIT, .dirty = ckey_dirty (k),
+          .offset = pos << BCH_SECTOR_SHIFT,
+          .len = (stop - pos) << BCH_SECTOR_SHIFT,
+          .dev_offset = dev << BCH_SECTOR_SHIFT,
+          .ptr = MAKE_PTR (PTR_GEN (k->ptr), dev, PTR_DEV (k->ptr)),
+        };
+      }
+      else {
+        all_hit = false;
+        if (i > 0 && out[i - 1].kind == BCF_EXTENT_MISS &&
+            out[i - 1].offset + out[i - 1].len == pos << BCH_SECTOR_SHIFT)
+          out[i - 1].len += (stop - pos) << BCH_SECTOR_SHIFT;
+        else
+          out[i++] = (struct bcf_extent) {
+            .kind = BCF_EXTENT_MISS, .offset = pos << BCH_SECTOR_SHIFT,
+            .len = (stop - pos) << BCH_SECTOR_SHIFT,
+          };
+      }
+      pos = stop;
+      if (pos >= leaf_end)
+        break;                          /* continue in the next leaf */
+    }
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+  *n = i;
+  if (r == 0)
+    atomic_fetch_add (all_hit ? &c->stats.hits : &c->stats.misses, 1);
+  return r;
+}
+
+int
+bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf)
+{
+  int r;
+
+  if (e->kind != BCF_EXTENT_HIT)
+    return -EINVAL;
+  r = dev_read (c, buf, e->len, e->dev_offset);
+  if (r < 0) {
+    atomic_fetch_add (&c->stats.device_errors, 1);
+    return r;
+  }
+  if (ptr_stale (c, e->ptr)) {
+    atomic_fetch_add (&c->stats.read_races, 1);
+    return -ESTALE;
+  }
+  alloc_touch (c, bucket_of_ptr (c, e->ptr));
+  return 0;
+}
+
+/* ---- the cache-miss protocol ------------------------------------------------------- */
+
+static uint64_t
+random_check_offset (void)
+{
+  static _Atomic uint64_t counter;
+  uint64_t x = bcf_now_ns () + (atomic_fetch_add (&counter, 1) << 32);
+  x ^= x >> 31;
+  x *= 0x7fb5d329728ea185ull;
+  x ^= x >> 27;
+  /* Leave room for the pointer to move with trimming (< 2^42). */
+  return x & ((1ull << 41) - 1);
+}
+
+/* The piece [s, e) of a range key whose first sector is at ptr (offset
+ * moves with the start). */
+static struct ckey
+range_piece (const struct bcf_cache *c, uint64_t s, uint64_t e,
+             uint64_t range_start, bool has_ptr, uint64_t ptr, bool dirty)
+{
+  uint64_t p = has_ptr ? MAKE_PTR (PTR_GEN (ptr),
+                                   PTR_OFFSET (ptr) + (s - range_start),
+                                   PTR_DEV (ptr)) : 0;
+  return ckey_make (c->inode, e, e - s, has_ptr, p, dirty);
+}
+
+int
+bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                struct bcf_miss *m)
+{
+  uint64_t s, e;
+  int r;
+
+  if (c->failed)
+    return -ENOSPC;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  m->offset = offset;
+  m->len = len;
+  m->check_ptr = MAKE_PTR (0, random_check_offset (), PTR_CHECK_DEV);
+  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+    struct ckey k = range_piece (c, p, pe, s, true, m->check_ptr, false);
+    if ((r = insert_key (c, &k, NULL)) < 0)
+      return r;
+  }
+  return 0;
+}
+
+int
+bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data)
+{
+  const uint64_t s = m->offset >> BCH_SECTOR_SHIFT;
+  const uint64_t e = (m->offset + m->len) >> BCH_SECTOR_SHIFT;
+  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
+                   : MAX_KEY_SECTORS;
+  int ret = 0;
+
+  chunk = chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
+          (c->block_bytes >> BCH_SECTOR_SHIFT);
+  for (uint64_t p = s; p < e; p += chunk) {
+    uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
+    struct ckey k, expect;
+    int r;
+
+    if (c->failed) {
+      bcf_miss_cancel (c, m);
+      return -ENOSPC;
+    }
+    r = alloc_sectors (c, (uint32_t) (pe - p), false, &ptr);
+    if (r < 0) {
+      bcf_miss_cancel (c, m);
+      return r;
+    }
+    r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
+                   (pe - p) << BCH_SECTOR_SHIFT,
+                   PTR_OFFSET (ptr) << BCH_SECTOR_SHIFT);
+    if (r < 0) {
+      atomic_fetch_add (&c->stats.device_errors, 1);
+      alloc_put (c, ptr);
+      bcf_miss_cancel (c, m);
+      return r;
+    }
+    k = range_piece (c, p, pe, p, true, ptr, false);
+    expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
+    pthread_rwlock_wrlock (&c->tree_lock);
+    r = btree_replace_locked (c, &k, &expect);
+    pthread_rwlock_unlock (&c->tree_lock);
+    alloc_put (c, ptr);
+    if (r == -EEXIST) {
+      atomic_fetch_add (&c->stats.miss_collisions, 1);
+      ret = -EEXIST;
+    }
+    else if (r < 0)
+      return r;
+  }
+  return ret;
+}
+
+void
+bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
+{
+  const uint64_t s = m->offset >> BCH_SECTOR_SHIFT;
+  const uint64_t e = (m->offset + m->len) >> BCH_SECTOR_SHIFT;
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+    struct ckey w = range_piece (c, p, pe, s, false, 0, false);
+    struct ckey expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
+    /* Only where our check key is still whole; otherwise someone else's
+     * key is there now and must stay. */
+    btree_replace_locked (c, &w, &expect);
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+}
+
+/* ---- writes and invalidation ------------------------------------------------------ */
+
+/* Could [s, e) hold cached data after a crash?  Any key with a data
+ * pointer counts, stale ones too: a bucket invalidated in memory gets its
+ * new gen persisted only with the next prio write, so after a crash
+ * before that its old keys are valid again, and an invalidation that was
+ * not journalled would let them come back with old data.  Under
+ * tree_lock. */
+static bool
+range_cached_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
+{
+  uint64_t pos = s;
+
+  while (pos < e) {
+    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
+    const struct keyset *ks;
+    uint64_t leaf_end;
+
+    if (!leaf)
+      return true;
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
+      const struct ckey *k = &ks->k[i];
+      if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
+        break;
+      if (ckey_has_ptr (k) && !ckey_is_check (k))
+        return true;
+    }
+    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
+               : UINT64_MAX;
+    pos = leaf_end;
+  }
+  return false;
+}
+
+int
+bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                bool durable)
+{
+  uint64_t s, e, seq = 0;
+  bool journal;
+  int r;
+
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  atomic_fetch_add (&c->stats.invalidates, 1);
+  pthread_rwlock_rdlock (&c->tree_lock);
+  journal = range_cached_locked (c, s, e);
+  pthread_rwlock_unlock (&c->tree_lock);
+  /* Where nothing is cached, the whiteout only has to reach the tree in
+   * memory (to make in-flight misses collide); it need not be journalled,
+   * since nothing on disk can bring data back.  A key inserted between the
+   * check and the insert below was journalled itself, and our whiteout,
+   * inserted after it, wins in memory; on disk that key is only there if
+   * it was flushed, and then its write was acknowledged before ours. */
+  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+    struct ckey w = range_piece (c, p, pe, s, false, 0, false);
+    if ((r = insert_key (c, &w, journal ? &seq : NULL)) < 0)
+      return r;
+  }
+  if (journal && durable)
+    return journal_flush_seq (c, seq);
+  return 0;
+}
+
+int
+bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            const void *data, bool dirty, bool durable)
+{
+  uint64_t s, e, seq = 0;
+  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
+                   : MAX_KEY_SECTORS;
+  int r = 0;
+
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  if (c->failed)
+    r = -ENOSPC;
+  chunk = chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
+          (c->block_bytes >> BCH_SECTOR_SHIFT);
+  for (uint64_t p = s; p < e && r == 0; p += chunk) {
+    uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
+    struct ckey k;
+
+    r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr);
+    if (r < 0)
+      break;
+    r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
+                   (pe - p) << BCH_SECTOR_SHIFT,
+                   PTR_OFFSET (ptr) << BCH_SECTOR_SHIFT);
+    if (r < 0)
+      atomic_fetch_add (&c->stats.device_errors, 1);
+    else {
+      k = range_piece (c, p, pe, p, true, ptr, dirty);
+      r = insert_key (c, &k, &seq);
+    }
+    alloc_put (c, ptr);
+  }
+  if (r < 0) {
+    /* Never leave older data cached than what the caller wrote. */
+    int r2 = bcf_invalidate (c, offset, len, durable);
+    return r2 < 0 ? r2 : r;
+  }
+  atomic_fetch_add (&c->stats.inserts, 1);
+  if (durable)
+    return journal_flush_seq (c, seq);
+  return 0;
+}
+
+int
+bcf_flush (struct bcf_cache *c)
+{
+  uint64_t seq;
+
+  pthread_mutex_lock (&c->journal.lock);
+  seq = c->journal.seq;
+  pthread_mutex_unlock (&c->journal.lock);
+  return journal_flush_seq (c, seq);
+}
+
+int
+bcf_cache_journal_write (struct bcf_cache *c)
+{
+  return bcf_flush (c);
+}
+
+int
+bcf_cache_checkpoint (struct bcf_cache *c)
+{
+  int r;
+
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = btree_checkpoint (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  return r;
+}
+
+/* ---- stats ------------------------------------------------------------------------ */
+
+void
+bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
+{
+  memset (st, 0, sizeof *st);
+  st->nbuckets = c->sb.nbuckets;
+  st->bucket_bytes = c->bucket_bytes;
+  st->block_bytes = c->block_bytes;
+  alloc_count (c, &st->buckets_free, &st->buckets_clean, &st->buckets_dirty,
+               &st->buckets_meta);
+  pthread_rwlock_rdlock (&c->tree_lock);
+  st->btree_nodes = c->tree.nnodes;
+  st->btree_depth = c->tree.root ? c->tree.root->level + 1 : 0;
+  st->btree_keys = c->tree.nkeys;
+  pthread_rwlock_unlock (&c->tree_lock);
+  pthread_mutex_lock (&c->journal.lock);
+  st->journal_seq = c->journal.seq;
+  st->journal_last_seq = c->journal.last_seq;
+  st->journal_writes = c->journal.writes;
+  pthread_mutex_unlock (&c->journal.lock);
+  st->hits = atomic_load (&c->stats.hits);
+  st->misses = atomic_load (&c->stats.misses);
+  st->miss_collisions = atomic_load (&c->stats.miss_collisions);
+  st->read_races = atomic_load (&c->stats.read_races);
+  st->inserts = atomic_load (&c->stats.inserts);
+  st->invalidates = atomic_load (&c->stats.invalidates);
+  st->device_errors = atomic_load (&c->stats.device_errors);
+  st->gc_passes = atomic_load (&c->stats.gc_passes);
+  st->gc_slices = atomic_load (&c->stats.gc_slices);
+  st->gc_nodes = atomic_load (&c->stats.gc_nodes);
+  pthread_mutex_lock (&c->stats.time_lock);
+  st->gc = c->stats.gc;
+  st->btree_split = c->stats.btree_split;
+  st->journal_write = c->stats.journal_write;
+  st->alloc_wait = c->stats.alloc_wait;
+  st->checkpoint = c->stats.checkpoint;
+  pthread_mutex_unlock (&c->stats.time_lock);
+}
+
+/* ---- background threads ------------------------------------------------------------- */
+
+void *gc_thread (void *arg);
+
+static void
+sleep_ms (unsigned ms)
+{
+  struct timespec ts = { .tv_sec = ms / 1000,
+                         .tv_nsec = (long) (ms % 1000) * 1000000 };
+  nanosleep (&ts, NULL);
+}
+
+/* Journal timer: write the open entry every journal_delay_ms; commit the
+ * btree when the journal is half full, so foreground inserts rarely have
+ * to. */
+static void *
+journal_thread (void *arg)
+{
+  struct bcf_cache *c = arg;
+  unsigned delay = c->opts.journal_delay_ms ? c->opts.journal_delay_ms : 100;
+
+  while (!c->stopping) {
+    sleep_ms (delay);
+    if (c->failed)
+      continue;
+    bcf_flush (c);
+    if (journal_used_percent (c) >= 50)
+      bcf_cache_checkpoint (c);
+  }
+  bcf_io_thread_cleanup ();
+  return NULL;
+}
+
+/* Allocator: keep the data free list at least half full. */
+static void *
+alloc_thread (void *arg)
+{
+  struct bcf_cache *c = arg;
+  struct alloc_state *a = &c->alloc;
+
+  while (!c->stopping) {
+    bool low;
+
+    pthread_mutex_lock (&a->lock);
+    low = a->free[RESERVE_NONE].nr < a->free[RESERVE_NONE].size / 2 ||
+          a->free[RESERVE_BTREE].nr < a->free[RESERVE_BTREE].size / 2;
+    pthread_mutex_unlock (&a->lock);
+    if (low && !c->failed && alloc_refill (c) == 0)
+      continue;
+    sleep_ms (20);
+  }
+  bcf_io_thread_cleanup ();
+  return NULL;
+}
+
+int
+bcf_cache_start_threads (struct bcf_cache *c)
+{
+  int r;
+
+  if (c->threads_running)
+    return 0;
+  c->stopping = false;
+  if ((r = pthread_create (&c->journal_thread, NULL, journal_thread, c)))
+    return -r;
+  if ((r = pthread_create (&c->alloc_thread, NULL, alloc_thread, c))) {
+    c->stopping = true;
+    pthread_join (c->journal_thread, NULL);
+    return -r;
+  }
+  if ((r = pthread_create (&c->gc_thread, NULL, gc_thread, c))) {
+    c->stopping = true;
+    pthread_join (c->journal_thread, NULL);
+    pthread_join (c->alloc_thread, NULL);
+    return -r;
+  }
+  c->threads_running = true;
+  return 0;
+}
+
+void
+bcf_cache_stop_threads (struct bcf_cache *c)
+{
+  if (!c->threads_running)
+    return;
+  c->stopping = true;
+  gc_request (c);           /* wakes the GC thread */
+  pthread_join (c->journal_thread, NULL);
+  pthread_join (c->alloc_thread, NULL);
+  pthread_join (c->gc_thread, NULL);
+  c->threads_running = false;
+}

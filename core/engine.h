@@ -1,0 +1,386 @@
+/* bcachefilter engine: the state shared by the core modules.
+ *
+ * Design
+ * ------
+ * struct bcf_cache is one cache set of one device.  Each module owns a
+ * part of it (alloc: buckets and free lists; btree: nodes; journal: the
+ * journal ring; gc: marks) and the functions declared here are how the
+ * modules call each other.
+ *
+ * Locking (the whole engine; each module's header comment refines it)
+ * -------
+ *   tree_lock (rwlock)      the btree: shape, every node's key sets, the
+ *                           node cache.  Readers: lookups.  Writers:
+ *                           inserts, splits, checkpoint snapshots, GC
+ *                           slices.  NEVER held across device or backing
+ *                           I/O, and never taken while holding any of the
+ *                           locks below.
+ *   journal.lock (mutex)    the pending journal entry, sequence numbers,
+ *                           ring space.  Taken inside tree_lock (inserts
+ *                           add their key to the journal while holding the
+ *                           tree lock, so journal order == tree order).
+ *   alloc.lock (mutex)      bucket array, free lists, open buckets.  Taken
+ *                           inside tree_lock or journal.lock, never around
+ *                           them.
+ *   ckpt_lock (mutex)       serialises checkpoints and prio writes (both
+ *                           write metadata and then a journal entry that
+ *                           points at it); held across I/O, taken before
+ *                           any of the above.
+ *   stats                   atomics.
+ */
+#ifndef BCACHEFILTER_ENGINE_H
+#define BCACHEFILTER_ENGINE_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bcachefilter/cache.h"
+#include "bcachefilter/format.h"
+#include "bset.h"
+#include "io.h"
+
+struct bcf_cache;
+struct btree_node;
+
+/* ---- Buckets and the allocator (alloc.c) --------------------------------- */
+
+enum gc_mark {
+  GC_MARK_FREE = 0,         /* nothing live */
+  GC_MARK_RECLAIMABLE = 1,  /* clean cached data */
+  GC_MARK_DIRTY = 2,        /* dirty data: never invalidated */
+  GC_MARK_METADATA = 3,     /* btree, prio, uuid, journal */
+};
+
+enum alloc_reserve {
+  RESERVE_BTREE = 0,
+  RESERVE_PRIO,
+  RESERVE_MOVINGGC,
+  RESERVE_NONE,
+  RESERVE_NR,
+};
+
+struct bucket {
+  uint8_t gen;              /* current generation */
+  uint8_t disk_gen;         /* generation persisted in the prio buckets */
+  uint8_t last_gc;          /* oldest gen still referenced (from GC) */
+  uint8_t mark;             /* enum gc_mark */
+  uint16_t prio;
+  uint8_t state;            /* BUCKET_* below */
+  uint8_t gc_flags;         /* GC bookkeeping (gc.c) */
+  uint16_t pin;             /* data writes in flight into the bucket */
+  uint32_t sectors_used;
+};
+
+enum {
+  BUCKET_AVAILABLE = 0,     /* holds data or nothing; may be invalidated */
+  BUCKET_FREE_INC,          /* invalidated, gen not yet persisted */
+  BUCKET_FREE,              /* on a free list, gen persisted */
+  BUCKET_OPEN,              /* being filled with data */
+  BUCKET_IN_USE,            /* allocated: metadata, or a closed data bucket */
+};
+
+struct fifo {
+  uint64_t *data;
+  size_t size, front, nr;
+};
+
+struct open_bucket {
+  uint64_t bucket;          /* bucket number, or UINT64_MAX if none */
+  uint32_t sectors_free;    /* sectors left to append */
+  bool dirty;               /* holds dirty data */
+};
+
+#define NR_OPEN_BUCKETS 4
+
+struct alloc_state {
+  pthread_mutex_t lock;
+  pthread_cond_t wait;      /* a bucket became free */
+  struct bucket *buckets;
+  uint64_t nbuckets;
+  struct fifo free[RESERVE_NR];
+  struct fifo free_inc;
+  struct open_bucket open[NR_OPEN_BUCKETS];
+  unsigned next_open;       /* round-robin for new open buckets */
+  uint64_t fifo_cursor;     /* fifo replacement policy */
+  uint64_t rand_state;      /* random replacement policy */
+  uint64_t prio_buckets[64];/* current prio chain, head first */
+  unsigned nprio;
+  uint64_t prio_seq;
+  atomic_uint waiting;      /* threads waiting for a bucket (GC pacing) */
+  uint64_t sectors_to_gc;   /* GC trigger countdown */
+  uint64_t rescale_sectors; /* prio decay countdown */
+};
+
+int alloc_init (struct bcf_cache *c);
+void alloc_free (struct bcf_cache *c);
+/* Pop a bucket from the reserve (falling back to RESERVE_NONE for the
+ * others).  Never waits, never does I/O: -EAGAIN if the lists are empty.
+ * The bucket gets mark, prio and used = bucket size. */
+int alloc_bucket_nowait (struct bcf_cache *c, enum alloc_reserve r,
+                         uint64_t *bucket);
+/* Refill the free lists: invalidate buckets by policy into free_inc,
+ * persist their gens (prio write + journal entry), move them to the free
+ * lists.  Does I/O; call with no lock held.  Returns 0, -ENOSPC if
+ * nothing could be invalidated (GC needed), or -errno. */
+int alloc_refill (struct bcf_cache *c);
+/* The same, from inside a checkpoint (the caller holds ckpt_lock). */
+int alloc_refill_ckpt_locked (struct bcf_cache *c);
+/* Open and first registration: put every bucket that nothing references
+ * (mark FREE after the initial mark) on the free lists, gens bumped; the
+ * caller then persists them with alloc_prio_write. */
+void alloc_fill_from_unused (struct bcf_cache *c);
+/* Allocate sectors for data: appended to an open bucket.  *ptr gets the
+ * pointer (gen, device sector).  May refill (I/O): call with no lock.
+ * Returns 0, -ENOSPC, or -errno. */
+int alloc_sectors (struct bcf_cache *c, uint32_t sectors, bool dirty,
+                   uint64_t *ptr);
+/* The data write to ptr (from alloc_sectors) has finished and its key is
+ * inserted or abandoned: unpin the bucket. */
+void alloc_put (struct bcf_cache *c, uint64_t ptr);
+/* A metadata bucket (old btree node, old prio bucket) is no longer
+ * referenced by anything on disk: make it invalidatable. */
+void alloc_release_meta (struct bcf_cache *c, uint64_t bucket);
+/* Write all gens and prios to fresh prio buckets, then a journal entry
+ * pointing at them (the caller holds ckpt_lock). */
+int alloc_prio_write (struct bcf_cache *c);
+/* Read the prio chain starting at bucket head into the bucket array. */
+int alloc_prio_read (struct bcf_cache *c, uint64_t head);
+/* Cache hit on a bucket: reset its prio. */
+void alloc_touch (struct bcf_cache *c, uint64_t bucket);
+/* Is this pointer stale (bucket reused since)? */
+bool ptr_stale (struct bcf_cache *c, uint64_t ptr);
+/* Counters for stats. */
+void alloc_count (struct bcf_cache *c, uint64_t *free, uint64_t *clean,
+                  uint64_t *dirty, uint64_t *meta);
+
+/* ---- The btree (btree.c) --------------------------------------------------- */
+
+struct btree_node {
+  struct ckey key;          /* this node's key in its parent: offset = the
+                               greatest key it may hold, ptr = location */
+  unsigned level;
+  struct keyset keys;       /* merged view (whiteouts dropped) */
+  struct keyset open;       /* not yet written (leaves keep whiteouts; in
+                               interior nodes a key without pointer deletes
+                               the child key at that position) */
+  uint64_t seq;             /* the node's bset seq */
+  size_t written;           /* bytes of the node on disk (block multiple) */
+  bool rewrite;             /* must be written whole at key.ptr (new node,
+                               or compacted into a new bucket) */
+  struct btree_node *hash_next;
+};
+
+struct btree {
+  struct btree_node *root;
+  struct btree_node **hash;   /* by bucket */
+  size_t hash_size;
+  size_t nnodes;
+  uint64_t nkeys;             /* keys in leaves (merged) */
+  size_t max_leaf_keys;       /* split threshold */
+  size_t node_bytes;
+  /* Buckets of nodes freed by splits/compaction, waiting for a committed
+   * root that no longer references them (see checkpoint in btree.c). */
+  struct { uint64_t bucket; uint64_t epoch; } *dead;
+  size_t ndead, dead_cap;
+  uint64_t epoch;             /* incremented at each checkpoint snapshot */
+};
+
+int btree_init (struct bcf_cache *c);
+void btree_free (struct bcf_cache *c);
+/* First registration: an empty root leaf covering everything. */
+int btree_new_root (struct bcf_cache *c);
+/* Load the tree whose root key is given (open). */
+int btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
+                char *err, size_t errlen);
+/* Extent insert (journalled or not), under tree_lock held for writing.
+ * Returns 0, -EAGAIN (a split needs btree buckets: drop the lock,
+ * alloc_refill, retry) or -ENOMEM. */
+int btree_insert_locked (struct bcf_cache *c, const struct ckey *k);
+/* Replace insert: k only if [start, end) still holds expect.  Returns 0,
+ * -EEXIST (collision), -EAGAIN or -ENOMEM.  Under tree_lock (write). */
+int btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
+                          const struct ckey *expect);
+/* Find the leaf holding position (inode, sector): the leaf whose range
+ * (previous key, key] contains sector.  Under tree_lock (any). */
+struct btree_node *btree_find_leaf (struct bcf_cache *c, uint64_t inode,
+                                    uint64_t sector);
+/* The child an interior key points to (NULL if not in memory). */
+struct btree_node *btree_child (struct bcf_cache *c, const struct ckey *k);
+/* Visit every node, parents before children (fsck, GC, stats). */
+typedef int (*btree_visit_fn) (struct bcf_cache *c, struct btree_node *n,
+                               void *opaque);
+int btree_visit (struct bcf_cache *c, btree_visit_fn fn, void *opaque);
+/* The checkpoint: write every dirty node and commit a new root through
+ * the journal (caller holds ckpt_lock, no other lock). */
+int btree_checkpoint (struct bcf_cache *c);
+/* Encode a whole node / decode a node buffer (also used by fsck). */
+int btree_node_read (struct bcf_cache *c, struct btree_node *n, char *err,
+                     size_t errlen);
+
+/* ---- The journal (journal.c) ------------------------------------------------ */
+
+struct journal {
+  pthread_mutex_t lock;
+  pthread_cond_t wait;
+  uint64_t seq;               /* seq of the pending (open) entry */
+  uint64_t durable_seq;       /* newest entry known durable */
+  uint64_t last_seq;          /* oldest entry still needed (committed) */
+  uint64_t *pending;          /* key words of the open entry */
+  size_t pending_words, pending_cap;
+  bool writing;               /* a thread is writing an entry */
+  bool pending_dirty;         /* the open entry holds keys */
+  bool sealed;                /* a checkpoint snapshot took the open
+                                 entry's keys: it takes no more */
+  /* Ring position: the next entry goes to bucket cur at block offset. */
+  unsigned cur;
+  uint64_t cur_offset;        /* bytes into the journal bucket */
+  /* Newest entry seq written into each journal bucket (0 = none). */
+  uint64_t bucket_seq[BCH_SB_JOURNAL_BUCKETS];
+  unsigned nbuckets;
+  size_t max_entry_bytes;
+  void *buf;                  /* entry write buffer (aligned) */
+  void *replay;               /* entries kept by journal_read */
+  size_t replay_n, replay_first;
+  uint64_t writes;
+};
+
+int journal_init (struct bcf_cache *c);
+void journal_free (struct bcf_cache *c);
+/* Add a key to the open entry (caller holds tree_lock for writing).
+ * Returns the seq it went into, or 0 if the entry is full (-EAGAIN
+ * semantics: drop the tree lock, journal_make_room, retry). */
+uint64_t journal_add_key_locked (struct bcf_cache *c, const struct ckey *k);
+/* Make room for more keys: write the open entry, checkpointing first if
+ * the ring is full.  Call with no lock held. */
+int journal_make_room (struct bcf_cache *c);
+/* Write the open entry (if it has keys or force) and wait until every
+ * entry up to seq is durable. */
+int journal_flush_seq (struct bcf_cache *c, uint64_t seq);
+/* Write an entry with no keys carrying the committed root, uuid and prio
+ * pointers, and wait for it (root / prio / uuid changes). */
+int journal_meta (struct bcf_cache *c);
+/* Close the open entry so that keys added from now on get a new seq;
+ * returns the seq of the closed entry (checkpoint snapshot; caller holds
+ * tree_lock for writing). */
+uint64_t journal_seal_locked (struct bcf_cache *c);
+/* Set last_seq after a checkpoint committed everything below it. */
+void journal_set_last_seq (struct bcf_cache *c, uint64_t last_seq);
+/* Read the journal at open: find the newest entry (root, uuid and prio
+ * pointers, last_seq) and check that last_seq..newest are all present;
+ * keep their keys for journal_replay. */
+struct journal_replay {
+  struct bkey_padded root, uuid_bucket;
+  unsigned root_level;
+  uint64_t prio_head;
+  uint64_t first_seq, last_seq;   /* entries to replay */
+  uint64_t entries;
+};
+int journal_read (struct bcf_cache *c, struct journal_replay *r,
+                  char *err, size_t errlen);
+/* Feed the kept keys, in order, to cb; then drop them. */
+int journal_replay (struct bcf_cache *c,
+                    int (*cb) (struct bcf_cache *c, const struct ckey *k,
+                               void *opaque),
+                    void *opaque, uint64_t *nkeys, char *err, size_t errlen);
+void journal_replay_done (struct bcf_cache *c);
+/* Would an ordinary entry (not a checkpoint or prio commit) fail to find
+ * room while keeping the reserve?  Then commit the btree first. */
+bool journal_tight (struct bcf_cache *c);
+/* How full the ring is (0..100). */
+unsigned journal_used_percent (struct bcf_cache *c);
+
+/* ---- GC (gc.c) --------------------------------------------------------------- */
+
+struct gc_state {
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  bool running;               /* a pass is in progress */
+  bool requested;
+  bool mark_valid;
+  uint64_t pos_inode, pos_sector;   /* resume position */
+  /* Test hook: called between slices with the pass's progress. */
+  void (*slice_hook) (struct bcf_cache *c, unsigned slice, void *opaque);
+  void *slice_hook_opaque;
+};
+
+/* fsck.c: check the open cache; returns the number of problems, listed
+ * one per line in report. */
+int bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len);
+/* Test hooks: the device (to arm faults), and a simulated power loss
+ * (bcf_io_crash on the device, then the engine is freed without any
+ * further I/O). */
+struct bcf_io *bcf_cache_test_io (struct bcf_cache *c);
+int bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode);
+
+int gc_init (struct bcf_cache *c);
+/* Ask for a GC pass (wakes the GC thread; a no-op without threads). */
+void gc_request (struct bcf_cache *c);
+void gc_free (struct bcf_cache *c);
+
+/* ---- The cache set -------------------------------------------------------------- */
+
+struct bcf_cache {
+  struct bcf_cache_opts opts;
+  struct bcf_io *io;
+  struct bch_sb sb;
+  uint64_t bucket_sectors;
+  uint64_t bucket_bytes;
+  unsigned block_bytes;
+  uint64_t set_magic;
+  uint64_t backing_sectors;
+  unsigned inode;                 /* our slot in the uuid array */
+  uint64_t uuid_bucket;           /* bucket holding the uuid array */
+
+  pthread_rwlock_t tree_lock;
+  pthread_mutex_t ckpt_lock;
+  struct btree tree;
+  struct alloc_state alloc;
+  struct journal journal;
+  struct gc_state gc;
+
+  /* The root the newest durable journal entry points to. */
+  struct ckey committed_root;
+  unsigned committed_level;
+
+  atomic_bool failed;             /* metadata write failed: read-only */
+  atomic_uint_fast64_t inflight;  /* foreground requests in flight (GC) */
+
+  /* Background threads. */
+  bool threads_running;
+  atomic_bool stopping;
+  pthread_t journal_thread, gc_thread, alloc_thread;
+
+  struct {
+    atomic_uint_fast64_t hits, misses, miss_collisions, read_races;
+    atomic_uint_fast64_t inserts, invalidates, device_errors;
+    atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes;
+    struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
+                         checkpoint;
+    pthread_mutex_t time_lock;
+  } stats;
+};
+
+/* Logging through opts.log. */
+void bcf_log (struct bcf_cache *c, enum bcf_log_level level,
+              const char *fmt, ...) __attribute__ ((format (printf, 3, 4)));
+/* Record one duration in a time stat. */
+void bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t,
+                      uint64_t ns);
+uint64_t bcf_now_ns (void);
+
+/* Pointer helpers. */
+static inline uint64_t
+bucket_of_ptr (const struct bcf_cache *c, uint64_t ptr)
+{
+  return PTR_OFFSET (ptr) / c->bucket_sectors;
+}
+static inline uint64_t
+bucket_ptr (const struct bcf_cache *c, uint64_t bucket, uint8_t gen)
+{
+  return MAKE_PTR (gen, bucket * c->bucket_sectors, 0);
+}
+
+#endif /* BCACHEFILTER_ENGINE_H */

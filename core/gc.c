@@ -1,0 +1,313 @@
+/* bcachefilter engine: garbage collection (mark and sweep).
+ *
+ * Design
+ * ------
+ * bcache's GC (research/bcache.md §2.3) with the two stall fixes built in
+ * from the start (§4.1, §4.2):
+ *
+ * - The allocator never waits for GC.  GC computes its marks into shadow
+ *   arrays and applies them only when the pass ends; until then the
+ *   allocator keeps using the previous marks, which are conservative
+ *   (data only ever leaves a bucket between passes, never arrives in an
+ *   AVAILABLE one).  This generalises bcache 6.10's reclaimable_in_gc: not
+ *   only the buckets reclaimable at the start stay usable, the allocator
+ *   simply never notices GC.
+ *
+ * - GC is incremental: it walks the leaves in key order in slices, taking
+ *   the btree lock for one slice at a time: 10 nodes per slice while
+ *   foreground requests are in flight, max(10, nodes / 128) when idle;
+ *   between slices it sleeps 10 ms when someone waits for a bucket, else
+ *   100 ms (bcache 6.19).  bcf_gc_run (tests, tools) does not sleep.
+ *
+ * What a pass computes per bucket: the mark (free / clean / dirty /
+ * metadata), sectors used, and the oldest gen still referenced (last_gc,
+ * which the allocator's gen-wrap guard needs).  Keys whose pointer is
+ * stale are removed from their leaf with a whiteout in the node's open set,
+ * so the removal reaches the disk at the next checkpoint; until then the
+ * stale gen still counts towards last_gc.
+ *
+ * Applying the marks: only to buckets that were AVAILABLE when the pass
+ * started and still are, with the same gen.  A bucket opened, filled,
+ * invalidated or allocated as metadata during the pass keeps the marks
+ * the allocator gave it — GC may not have seen its newest keys.
+ *
+ * Not done here yet: coalescing sparse nodes (needs interior deletions,
+ * i.e. a copy-on-write parent rewrite) and moving GC (bcache leaves it
+ * off by default).
+ *
+ * Locking: gc.lock protects the request flag and the shadow arrays; a
+ * slice holds tree_lock for writing; marks are applied under alloc.lock.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+
+#define GC_NODES_MIN     10
+#define GC_SLEEP_WAIT_MS 10
+#define GC_SLEEP_MS      100
+
+enum { GC_AVAILABLE_AT_START = 1 };
+
+struct gc_pass {
+  uint8_t *start_gen;
+  uint8_t *mark;
+  uint8_t *oldest;
+  uint32_t *used;
+  uint64_t nodes;
+};
+
+int
+gc_init (struct bcf_cache *c)
+{
+  struct gc_state *g = &c->gc;
+
+  memset (g, 0, sizeof *g);
+  pthread_mutex_init (&g->lock, NULL);
+  pthread_cond_init (&g->wake, NULL);
+  return 0;
+}
+
+void
+gc_free (struct bcf_cache *c)
+{
+  pthread_mutex_destroy (&c->gc.lock);
+  pthread_cond_destroy (&c->gc.wake);
+}
+
+void
+gc_request (struct bcf_cache *c)
+{
+  pthread_mutex_lock (&c->gc.lock);
+  c->gc.requested = true;
+  pthread_cond_broadcast (&c->gc.wake);
+  pthread_mutex_unlock (&c->gc.lock);
+}
+
+static void
+pass_free (struct gc_pass *p)
+{
+  free (p->start_gen);
+  free (p->mark);
+  free (p->oldest);
+  free (p->used);
+}
+
+static int
+pass_start (struct bcf_cache *c, struct gc_pass *p)
+{
+  struct alloc_state *a = &c->alloc;
+  uint64_t nb = a->nbuckets;
+
+  memset (p, 0, sizeof *p);
+  p->start_gen = malloc (nb);
+  p->mark = calloc (nb, 1);
+  p->oldest = malloc (nb);
+  p->used = calloc (nb, sizeof *p->used);
+  if (!p->start_gen || !p->mark || !p->oldest || !p->used) {
+    pass_free (p);
+    return -ENOMEM;
+  }
+  pthread_mutex_lock (&a->lock);
+  for (uint64_t b = 0; b < nb; b++) {
+    p->start_gen[b] = a->buckets[b].gen;
+    p->oldest[b] = a->buckets[b].gen;
+    if (a->buckets[b].state == BUCKET_AVAILABLE)
+      a->buckets[b].gc_flags |= GC_AVAILABLE_AT_START;
+    else
+      a->buckets[b].gc_flags &= (uint8_t) ~GC_AVAILABLE_AT_START;
+  }
+  pthread_mutex_unlock (&a->lock);
+  return 0;
+}
+
+/* Note a pointer into bucket b carrying gen: keep the oldest gen seen
+ * (oldest starts at the bucket's gen; a stale pointer is behind it). */
+static void
+note_gen (struct gc_pass *p, uint64_t b, uint8_t gen)
+{
+  uint8_t behind = (uint8_t) (p->oldest[b] - gen);
+
+  if (behind > 0 && behind < 128)
+    p->oldest[b] = gen;
+}
+
+static void
+mark_bucket (struct gc_pass *p, uint64_t b, uint8_t mark, uint64_t sectors)
+{
+  if (mark > p->mark[b])
+    p->mark[b] = mark;
+  p->used[b] += (uint32_t) sectors;
+}
+
+/* Mark one leaf; drop its stale keys.  Under tree_lock (write). */
+static int
+gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
+{
+  struct keyset *s = &n->keys;
+  size_t i = 0;
+
+  while (i < s->nr) {
+    const struct ckey *k = &s->k[i];
+    uint64_t b;
+
+    if (!ckey_has_ptr (k) || ckey_is_check (k)) {
+      i++;
+      continue;
+    }
+    b = bucket_of_ptr (c, k->ptr);
+    if (b >= c->alloc.nbuckets) {
+      i++;
+      continue;
+    }
+    note_gen (p, b, PTR_GEN (k->ptr));
+    if (ptr_stale (c, k->ptr)) {
+      struct ckey w = ckey_make (ckey_inode (k), ckey_end (k), ckey_size (k),
+                                 false, 0, false);
+      int r = keyset_insert (&n->open, &w);
+      if (r < 0)
+        return r;
+      keyset_insert (&n->keys, &w);   /* removes k: no allocation */
+      c->tree.nkeys--;
+      continue;
+    }
+    mark_bucket (p, b, ckey_dirty (k) ? GC_MARK_DIRTY : GC_MARK_RECLAIMABLE,
+                 ckey_size (k));
+    i++;
+  }
+  return 0;
+}
+
+static void
+sleep_ms (unsigned ms)
+{
+  struct timespec ts = { .tv_sec = ms / 1000,
+                         .tv_nsec = (long) (ms % 1000) * 1000000 };
+  nanosleep (&ts, NULL);
+}
+
+/* Apply the pass's marks.  Under alloc.lock. */
+static void
+pass_finish (struct bcf_cache *c, struct gc_pass *p)
+{
+  struct alloc_state *a = &c->alloc;
+
+  pthread_mutex_lock (&a->lock);
+  for (uint64_t b = 0; b < a->nbuckets; b++) {
+    struct bucket *bk = &a->buckets[b];
+    if (!(bk->gc_flags & GC_AVAILABLE_AT_START))
+      continue;
+    bk->gc_flags &= (uint8_t) ~GC_AVAILABLE_AT_START;
+    if (bk->state != BUCKET_AVAILABLE || bk->gen != p->start_gen[b])
+      continue;
+    if (bk->mark == GC_MARK_METADATA)
+      continue;                 /* released metadata is marked free already */
+    bk->mark = p->mark[b];
+    bk->sectors_used = p->used[b] < c->bucket_sectors ?
+                       p->used[b] : (uint32_t) c->bucket_sectors;
+    bk->last_gc = p->oldest[b];
+  }
+  pthread_cond_broadcast (&a->wait);
+  pthread_mutex_unlock (&a->lock);
+}
+
+/* Run a pass.  With pace, sleep between slices as described above. */
+static int
+gc_pass (struct bcf_cache *c, bool pace)
+{
+  struct gc_pass p;
+  uint64_t inode = 0, pos = 0, t0 = bcf_now_ns ();
+  unsigned slice = 0;
+  bool done = false;
+  int r;
+
+  if ((r = pass_start (c, &p)) < 0)
+    return r;
+  pthread_mutex_lock (&c->gc.lock);
+  c->gc.running = true;
+  c->gc.requested = false;
+  pthread_mutex_unlock (&c->gc.lock);
+
+  while (!done && r == 0) {
+    unsigned budget;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    budget = atomic_load (&c->inflight) > 0 ? GC_NODES_MIN :
+             c->tree.nnodes / 128 > GC_NODES_MIN ? (unsigned) (c->tree.nnodes / 128)
+             : GC_NODES_MIN;
+    for (unsigned k = 0; k < budget && !done && r == 0; k++) {
+      struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+      if (!n) {
+        r = -EIO;
+        break;
+      }
+      r = gc_leaf (c, &p, n);
+      p.nodes++;
+      if (ckey_inode (&n->key) == BKEY_MAX_INODE &&
+          ckey_end (&n->key) == BKEY_MAX_OFFSET)
+        done = true;
+      else {
+        inode = ckey_inode (&n->key);
+        pos = ckey_end (&n->key);
+      }
+    }
+    pthread_rwlock_unlock (&c->tree_lock);
+    atomic_fetch_add (&c->stats.gc_slices, 1);
+    if (c->gc.slice_hook)
+      c->gc.slice_hook (c, slice, c->gc.slice_hook_opaque);
+    slice++;
+    if (pace && !done)
+      sleep_ms (atomic_load (&c->alloc.waiting) ? GC_SLEEP_WAIT_MS
+                : GC_SLEEP_MS);
+  }
+
+  /* Metadata the walk of the leaves does not see: every node, the
+   * journal, prio and uuid buckets are IN_USE and keep their marks. */
+  if (r == 0)
+    pass_finish (c, &p);
+  atomic_fetch_add (&c->stats.gc_nodes, p.nodes);
+  atomic_fetch_add (&c->stats.gc_passes, 1);
+  bcf_time_record (c, &c->stats.gc, bcf_now_ns () - t0);
+  pass_free (&p);
+  pthread_mutex_lock (&c->gc.lock);
+  c->gc.running = false;
+  pthread_cond_broadcast (&c->gc.wake);
+  pthread_mutex_unlock (&c->gc.lock);
+  return r;
+}
+
+int
+bcf_gc_run (struct bcf_cache *c)
+{
+  return gc_pass (c, false);
+}
+
+void
+bcf_trigger_gc (struct bcf_cache *c)
+{
+  gc_request (c);
+}
+
+/* The GC thread: one pass per request. */
+void *gc_thread (void *arg);
+void *
+gc_thread (void *arg)
+{
+  struct bcf_cache *c = arg;
+
+  for (;;) {
+    pthread_mutex_lock (&c->gc.lock);
+    while (!c->gc.requested && !c->stopping)
+      pthread_cond_wait (&c->gc.wake, &c->gc.lock);
+    pthread_mutex_unlock (&c->gc.lock);
+    if (c->stopping)
+      break;
+    gc_pass (c, true);
+  }
+  bcf_io_thread_cleanup ();
+  return NULL;
+}

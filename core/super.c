@@ -1,0 +1,578 @@
+/* bcachefilter engine: format, first registration, open.
+ *
+ * Design
+ * ------
+ * What the device holds decides what open does:
+ *
+ *   all zero at 0..8 KiB       blank: format it (policy auto or force)
+ *   bcache cache superblock,   made by make-bcache -C and never
+ *     CACHE_SYNC clear         registered: first registration, like the
+ *                              kernel (research/bcache.md §1.9)
+ *   bcache cache superblock,   a live cache: read the journal, prios,
+ *     CACHE_SYNC set           uuids and btree, replay, check identity
+ *   anything else              refused (policy force overwrites it)
+ *
+ * First registration (also the second half of a format): journal buckets
+ * = clamp(nbuckets >> 7, 2, 256) at first_bucket + i; every other bucket
+ * gets gen 1 and goes on the free lists; prios and gens are written; a
+ * uuid bucket records the backing export (slot 0: its uuid, label and
+ * size in sectors); an empty root leaf (key MAX_KEY) is written; journal
+ * entries commit root, uuid and prio pointers; LAST, the superblock is
+ * rewritten as version 3 with CACHE_SYNC and d[] filled in.  Until that
+ * final write the device still reads as blank / make-bcache, so a crash
+ * during format just formats again.  (A forced format of a live cache
+ * first zeroes its superblock for the same reason.)
+ *
+ * Identity: the uuid entry in slot 0 names the export the cache belongs
+ * to.  Opening against another export (different uuid, or a different
+ * size: a resized export would make cached offsets lie) is refused unless
+ * discard_foreign is set, and even then not while the cache holds dirty
+ * data — that data exists nowhere else.
+ *
+ * Open runs: journal_read -> prio chain (gens) -> uuid bucket -> btree
+ * load -> journal replay -> initial mark (metadata buckets by layout, data
+ * buckets by a full GC pass) -> free lists from unused buckets -> prio
+ * write -> checkpoint (so the replayed keys are in the tree on disk and
+ * the journal can be reused).
+ *
+ * Locking: single-threaded (open and close run before / after any other
+ * call).
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "super.h"
+
+static void
+random_bytes (uint8_t *p, size_t n)
+{
+  FILE *f = fopen ("/dev/urandom", "re");
+  size_t got = f ? fread (p, 1, n, f) : 0;
+
+  if (f)
+    fclose (f);
+  if (got != n) {
+    /* Fall back to the clock; uniqueness is all that matters here. */
+    uint64_t x = bcf_now_ns ();
+    for (size_t i = 0; i < n; i++) {
+      x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+      p[i] = (uint8_t) x;
+    }
+  }
+}
+
+static bool
+all_zero (const uint8_t *p, size_t n)
+{
+  for (size_t i = 0; i < n; i++)
+    if (p[i])
+      return false;
+  return true;
+}
+
+/* Geometry fields derived from the superblock. */
+static void
+set_geometry (struct bcf_cache *c)
+{
+  c->bucket_sectors = bch_sb_bucket_sectors (&c->sb);
+  c->bucket_bytes = c->bucket_sectors << BCH_SECTOR_SHIFT;
+  c->block_bytes = (unsigned) c->sb.block_size << BCH_SECTOR_SHIFT;
+  c->set_magic = bch_set_magic (&c->sb);
+}
+
+static int
+write_super (struct bcf_cache *c)
+{
+  uint8_t *buf = bcf_buf_alloc (BCH_SB_AREA_SIZE);
+  int r;
+
+  if (!buf)
+    return -ENOMEM;
+  bch_sb_encode (&c->sb, buf);
+  r = bcf_io_pwrite (c->io, buf, BCH_SB_AREA_SIZE, BCH_SB_OFFSET);
+  if (r == 0)
+    r = bcf_io_flush (c->io);
+  bcf_buf_free (buf, BCH_SB_AREA_SIZE);
+  return r;
+}
+
+/* ---- uuids ------------------------------------------------------------------ */
+
+static void
+our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
+{
+  memset (u, 0, sizeof *u);
+  memcpy (u->uuid, c->opts.backing_uuid, 16);
+  memcpy (u->label, c->opts.backing_label, 32);
+  u->first_reg = u->last_reg = (uint32_t) time (NULL);
+  u->sectors = c->backing_sectors;
+}
+
+/* Write the uuid array (slot 0 = u, the rest empty) to a new bucket and
+ * release the old one once a journal entry points at the new one. */
+static int
+uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
+{
+  uint64_t nb, old = c->uuid_bucket;
+  bool had_old = c->sb.flags & BCH_CACHE_SYNC;
+  uint8_t *buf;
+  int r;
+
+  if ((r = alloc_bucket_nowait (c, RESERVE_BTREE, &nb)) < 0)
+    return r;
+  buf = bcf_buf_alloc (c->bucket_bytes);
+  if (!buf)
+    return -ENOMEM;
+  memset (buf, 0, c->bucket_bytes);
+  bch_uuid_entry_encode (u, buf);
+  r = bcf_io_pwrite (c->io, buf, c->bucket_bytes, nb * c->bucket_bytes);
+  bcf_buf_free (buf, c->bucket_bytes);
+  if (r < 0)
+    return r;
+  c->uuid_bucket = nb;
+  r = journal_meta (c);
+  if (r == 0 && had_old && old != nb)
+    alloc_release_meta (c, old);
+  return r;
+}
+
+static int
+uuid_read (struct bcf_cache *c, const struct bkey *k,
+           struct bch_uuid_entry *u, char *err, size_t errlen)
+{
+  uint64_t b;
+  uint8_t *buf;
+  int r;
+
+  if (KEY_PTRS (k) != 1 || PTR_DEV (k->ptr[0]) != 0 ||
+      (b = PTR_OFFSET (k->ptr[0]) / c->bucket_sectors) >= c->sb.nbuckets ||
+      b < c->sb.first_bucket) {
+    snprintf (err, errlen, "the journal's uuid bucket pointer is invalid");
+    return -EUCLEAN;
+  }
+  buf = bcf_buf_alloc (c->bucket_bytes);
+  if (!buf)
+    return -ENOMEM;
+  r = bcf_io_pread (c->io, buf, c->bucket_bytes, b * c->bucket_bytes);
+  if (r == 0)
+    bch_uuid_entry_decode (buf, u);
+  else
+    snprintf (err, errlen, "reading the uuid bucket: %s", strerror (-r));
+  bcf_buf_free (buf, c->bucket_bytes);
+  c->uuid_bucket = b;
+  return r;
+}
+
+/* ---- layout marks ------------------------------------------------------------ */
+
+static void
+mark_meta (struct bcf_cache *c, uint64_t b)
+{
+  if (b < c->alloc.nbuckets) {
+    c->alloc.buckets[b].state = BUCKET_IN_USE;
+    c->alloc.buckets[b].mark = GC_MARK_METADATA;
+    c->alloc.buckets[b].prio = BCH_BTREE_PRIO;
+    c->alloc.buckets[b].sectors_used = (uint32_t) c->bucket_sectors;
+  }
+}
+
+static int
+mark_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  mark_meta (c, bucket_of_ptr (c, n->key.ptr));
+  return 0;
+}
+
+/* Everything that is not data: the superblock area, the journal, the
+ * prio chain, the uuid bucket, every btree node. */
+static void
+mark_layout (struct bcf_cache *c)
+{
+  for (uint64_t b = 0; b < c->sb.first_bucket; b++)
+    mark_meta (c, b);
+  for (unsigned i = 0; i < c->sb.njournal_buckets; i++)
+    mark_meta (c, c->sb.d[i]);
+  for (unsigned i = 0; i < c->alloc.nprio; i++)
+    mark_meta (c, c->alloc.prio_buckets[i]);
+  if (c->sb.flags & BCH_CACHE_SYNC)
+    mark_meta (c, c->uuid_bucket);
+  btree_visit (c, mark_node, NULL);
+}
+
+/* ---- first registration ---------------------------------------------------------- */
+
+/* The kernel's rule, clamp (nbuckets >> 7, 2, 256), with a floor: the
+ * journal holds at least 16 maximum-size (32 KiB) entries, so a small
+ * cache does not checkpoint after every few writes (and always has room
+ * for its reserve).  Any count up to 256 with d[i] = first_bucket + i is
+ * valid bcache format. */
+static unsigned
+journal_buckets_for (const struct bcf_cache *c)
+{
+  uint64_t entry = BCH_JSET_MAX_BYTES < c->bucket_bytes ? BCH_JSET_MAX_BYTES
+                   : c->bucket_bytes;
+  uint64_t floor = (16 * entry + c->bucket_bytes - 1) / c->bucket_bytes;
+  uint64_t n = bch_journal_buckets_for (c->sb.nbuckets);
+
+  if (n < floor)
+    n = floor;
+  if (n > c->sb.nbuckets / 8)
+    n = c->sb.nbuckets / 8;
+  if (n > BCH_SB_JOURNAL_BUCKETS)
+    n = BCH_SB_JOURNAL_BUCKETS;
+  return n < 2 ? 2 : (unsigned) n;
+}
+
+static int
+first_registration (struct bcf_cache *c, char *err, size_t errlen)
+{
+  struct bch_uuid_entry u;
+  int r;
+
+  bcf_log (c, BCF_LOG_INFO, "%s: first registration of a new cache "
+           "(%" PRIu64 " buckets of %" PRIu64 " KiB)", bcf_io_path (c->io),
+           c->sb.nbuckets, c->bucket_bytes >> 10);
+  c->sb.flags &= ~BCH_CACHE_SYNC;
+  c->sb.njournal_buckets = (uint16_t) journal_buckets_for (c);
+  memset (c->sb.d, 0, sizeof c->sb.d);
+  for (unsigned i = 0; i < c->sb.njournal_buckets; i++)
+    c->sb.d[i] = c->sb.first_bucket + i;
+  if ((uint64_t) c->sb.first_bucket + c->sb.njournal_buckets + 64 >
+      c->sb.nbuckets) {
+    snprintf (err, errlen, "cache too small: %" PRIu64 " buckets", c->sb.nbuckets);
+    return -ENOSPC;
+  }
+
+  if ((r = alloc_init (c)) < 0 || (r = journal_init (c)) < 0 ||
+      (r = btree_init (c)) < 0) {
+    snprintf (err, errlen, "initialising the cache: %s", strerror (-r));
+    return r;
+  }
+  mark_layout (c);
+  alloc_fill_from_unused (c);
+
+  our_uuid_entry (c, &u);
+  if ((r = alloc_prio_write (c)) < 0 ||
+      (r = uuid_write (c, &u)) < 0 ||
+      (r = btree_new_root (c)) < 0 ||
+      (r = btree_checkpoint (c)) < 0) {
+    snprintf (err, errlen, "formatting %s: %s", bcf_io_path (c->io),
+              strerror (-r));
+    return r;
+  }
+
+  c->sb.version = BCACHE_SB_VERSION_CDEV_WITH_UUID;
+  c->sb.flags |= BCH_CACHE_SYNC;
+  c->sb.seq++;
+  c->sb.last_mount = (uint32_t) time (NULL);
+  if ((r = write_super (c)) < 0) {
+    snprintf (err, errlen, "writing the superblock of %s: %s",
+              bcf_io_path (c->io), strerror (-r));
+    return r;
+  }
+  return 0;
+}
+
+/* Build a superblock for a blank device (make-bcache -C's defaults). */
+static int
+new_superblock (struct bcf_cache *c, char *err, size_t errlen)
+{
+  uint64_t dev_bytes = bcf_io_size (c->io);
+  unsigned bucket = c->opts.bucket_sectors ? c->opts.bucket_sectors : 1024;
+  unsigned block = c->opts.block_sectors ? c->opts.block_sectors
+                   : bcf_io_block_size (c->io) >> BCH_SECTOR_SHIFT;
+  struct bch_sb *sb = &c->sb;
+  struct bch_diag d;
+
+  if (block == 0)
+    block = 1;
+  memset (sb, 0, sizeof *sb);
+  sb->offset = BCH_SB_SECTOR;
+  sb->version = BCACHE_SB_VERSION_CDEV;
+  memcpy (sb->magic, bch_sb_magic, 16);
+  random_bytes (sb->uuid, 16);
+  random_bytes (sb->set_uuid, 16);
+  sb->flags = ((uint64_t) c->opts.replacement << BCH_CACHE_REPLACEMENT_SHIFT) &
+              BCH_CACHE_REPLACEMENT_MASK;
+  sb->bucket_size = (uint16_t) bucket;
+  sb->block_size = (uint16_t) block;
+  sb->nbuckets = (dev_bytes >> BCH_SECTOR_SHIFT) / bucket;
+  sb->nr_in_set = 1;
+  sb->nr_this_dev = 0;
+  sb->first_bucket = (uint16_t) (23 / bucket + 1);
+  if (bucket > 0xffff || bch_sb_validate (sb, dev_bytes >> BCH_SECTOR_SHIFT,
+                                          &d) != BCH_OK) {
+    snprintf (err, errlen, "cannot format %s (%" PRIu64 " bytes) with "
+              "%u-sector buckets and %u-sector blocks: %s%s",
+              bcf_io_path (c->io), dev_bytes, bucket, block,
+              bucket > 0xffff ? "bucket too large" : d.msg,
+              sb->nbuckets < 128 ? " (a cache needs at least 128 buckets)"
+              : "");
+    return -EINVAL;
+  }
+  if (block << BCH_SECTOR_SHIFT < bcf_io_block_size (c->io)) {
+    snprintf (err, errlen, "block size %u bytes is smaller than the "
+              "device's logical block size %u", block << BCH_SECTOR_SHIFT,
+              bcf_io_block_size (c->io));
+    return -EINVAL;
+  }
+  set_geometry (c);
+  return 0;
+}
+
+/* ---- open ------------------------------------------------------------------------ */
+
+static int
+replay_one (struct bcf_cache *c, const struct ckey *k, void *opaque)
+{
+  int r;
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  r = btree_insert_locked (c, k);
+  pthread_rwlock_unlock (&c->tree_lock);
+  return r;
+}
+
+struct dirty_ctx { uint64_t sectors; };
+static int
+count_dirty (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct dirty_ctx *d = opaque;
+  if (n->level == 0)
+    for (size_t i = 0; i < n->keys.nr; i++)
+      if (ckey_dirty (&n->keys.k[i]) && !ptr_stale (c, n->keys.k[i].ptr))
+        d->sectors += ckey_size (&n->keys.k[i]);
+  return 0;
+}
+
+static int
+open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
+{
+  struct journal_replay jr;
+  struct bch_uuid_entry u;
+  struct ckey root;
+  uint64_t nkeys;
+  int r;
+
+  *foreign = false;
+  if ((r = alloc_init (c)) < 0 || (r = journal_init (c)) < 0 ||
+      (r = btree_init (c)) < 0) {
+    snprintf (err, errlen, "initialising the cache: %s", strerror (-r));
+    return r;
+  }
+  if ((r = journal_read (c, &jr, err, errlen)) < 0)
+    return r;
+  if ((r = alloc_prio_read (c, jr.prio_head)) < 0) {
+    snprintf (err, errlen, "reading the prio buckets (bucket gens): %s",
+              r == -EUCLEAN ? "corrupt" : strerror (-r));
+    return r;
+  }
+  if ((r = uuid_read (c, &jr.uuid_bucket.key, &u, err, errlen)) < 0)
+    return r;
+  if (!ckey_from_bkey (&jr.root.key, &root) || !ckey_has_ptr (&root) ||
+      bucket_of_ptr (c, root.ptr) >= c->sb.nbuckets ||
+      jr.root_level > 16) {
+    snprintf (err, errlen, "the journal's btree root pointer is invalid");
+    return -EUCLEAN;
+  }
+  c->committed_root = root;
+  c->committed_level = jr.root_level;
+  if ((r = btree_load (c, &root, jr.root_level, err, errlen)) < 0)
+    return r;
+  if ((r = journal_replay (c, replay_one, NULL, &nkeys, err, errlen)) < 0)
+    return r;
+  bcf_log (c, BCF_LOG_INFO, "%s: opened; replayed %" PRIu64 " journal "
+           "entries (%" PRIu64 " keys), %" PRIu64 " keys in %zu btree nodes",
+           bcf_io_path (c->io), jr.entries, nkeys, c->tree.nkeys,
+           c->tree.nnodes);
+
+  /* Whose cache is it? */
+  /* (An empty slot 0: a cache never attached to an export; it is
+   * claimed below.) */
+  if (!bch_uuid_is_zero (u.uuid) &&
+      (memcmp (u.uuid, c->opts.backing_uuid, 16) != 0 ||
+       u.sectors != c->backing_sectors)) {
+    char have[37], want[37];
+    struct dirty_ctx dc = { 0 };
+
+    bch_uuid_unparse (u.uuid, have);
+    bch_uuid_unparse (c->opts.backing_uuid, want);
+    btree_visit (c, count_dirty, &dc);
+    if (!c->opts.discard_foreign || dc.sectors) {
+      snprintf (err, errlen, "%s caches another export (uuid %s, %" PRIu64
+                " bytes), not this one (uuid %s, %" PRIu64 " bytes)%s",
+                bcf_io_path (c->io), have, u.sectors << BCH_SECTOR_SHIFT,
+                want, c->backing_sectors << BCH_SECTOR_SHIFT,
+                dc.sectors ? "; it holds dirty data that exists nowhere "
+                "else, so it is never discarded: attach it to its own "
+                "export first" : "; to discard its contents and reuse it "
+                "for this export, ask for that explicitly");
+      return -EEXIST;
+    }
+    *foreign = true;
+    return 0;
+  }
+
+  /* The initial mark, free lists, gens on disk, replayed keys in the
+   * tree on disk. */
+  mark_layout (c);
+  if ((r = bcf_gc_run (c)) < 0) {
+    snprintf (err, errlen, "initial mark of the cache: %s", strerror (-r));
+    return r;
+  }
+  alloc_fill_from_unused (c);
+  if ((r = alloc_prio_write (c)) < 0 ||
+      (bch_uuid_is_zero (u.uuid) &&
+       (our_uuid_entry (c, &u), (r = uuid_write (c, &u)) < 0)) ||
+      (r = btree_checkpoint (c)) < 0) {
+    snprintf (err, errlen, "opening %s: writing metadata: %s",
+              bcf_io_path (c->io), strerror (-r));
+    return r;
+  }
+  return 0;
+}
+
+/* Free the engine state built by a failed or discarded open. */
+static void
+drop_state (struct bcf_cache *c)
+{
+  btree_free (c);
+  journal_free (c);
+  alloc_free (c);
+  memset (&c->tree, 0, sizeof c->tree);
+  memset (&c->journal, 0, sizeof c->journal);
+  memset (&c->alloc, 0, sizeof c->alloc);
+}
+
+static int
+zero_superblock (struct bcf_cache *c)
+{
+  uint8_t *buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE);
+  int r;
+
+  if (!buf)
+    return -ENOMEM;
+  memset (buf, 0, 2 * BCH_SB_AREA_SIZE);
+  r = bcf_io_pwrite (c->io, buf, 2 * BCH_SB_AREA_SIZE, 0);
+  if (r == 0)
+    r = bcf_io_flush (c->io);
+  bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
+  return r;
+}
+
+int
+super_open (struct bcf_cache *c, char *err, size_t errlen)
+{
+  const char *path = bcf_io_path (c->io);
+  uint64_t dev_sectors = bcf_io_size (c->io) >> BCH_SECTOR_SHIFT;
+  uint8_t *buf;
+  struct bch_diag d;
+  enum bch_status st;
+  bool blank, foreign;
+  int r;
+
+  if (bcf_io_size (c->io) < 2 * BCH_SB_AREA_SIZE) {
+    snprintf (err, errlen, "%s is too small to be a cache (%" PRIu64
+              " bytes)", path, bcf_io_size (c->io));
+    return -ENOSPC;
+  }
+  buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE);
+  if (!buf)
+    return -ENOMEM;
+  r = bcf_io_pread (c->io, buf, 2 * BCH_SB_AREA_SIZE, 0);
+  if (r < 0) {
+    snprintf (err, errlen, "reading the superblock of %s: %s", path,
+              strerror (-r));
+    bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
+    return r;
+  }
+  blank = all_zero (buf, 2 * BCH_SB_AREA_SIZE);
+  st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &c->sb, &d);
+  if (st == BCH_OK)
+    st = bch_sb_validate (&c->sb, dev_sectors, &d);
+  bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
+
+  if (c->opts.format == BCF_FORMAT_FORCE) {
+    if (!blank && (r = zero_superblock (c)) < 0) {
+      snprintf (err, errlen, "clearing the old superblock of %s: %s", path,
+                strerror (-r));
+      return r;
+    }
+    blank = true;
+  }
+  if (blank) {
+    if (c->opts.format == BCF_FORMAT_NEVER) {
+      snprintf (err, errlen, "%s is blank, not a cache; format it first "
+                "(bcachefilter-format) or allow formatting", path);
+      return -ENODEV;
+    }
+    if ((r = new_superblock (c, err, errlen)) < 0)
+      return r;
+    return first_registration (c, err, errlen);
+  }
+  if (st != BCH_OK) {
+    switch (st) {
+    case BCH_ERR_MAGIC:
+      snprintf (err, errlen, "%s holds data that is not a bcache cache "
+                "device; refusing to overwrite it (format it explicitly "
+                "with force if it is really meant to be a cache)", path);
+      return -EMEDIUMTYPE;
+    case BCH_ERR_BACKING:
+      snprintf (err, errlen, "%s is a bcache backing device, not a cache "
+                "device", path);
+      return -EMEDIUMTYPE;
+    default:
+      snprintf (err, errlen, "%s: bad bcache superblock: %s", path, d.msg);
+      return -EUCLEAN;
+    }
+  }
+  set_geometry (c);
+  if (c->sb.nr_in_set != 1) {
+    snprintf (err, errlen, "%s belongs to a cache set of %u devices; only "
+              "single-device cache sets are supported", path,
+              c->sb.nr_in_set);
+    return -ENOTSUP;
+  }
+  if (c->block_bytes < bcf_io_block_size (c->io)) {
+    snprintf (err, errlen, "%s: cache block size %u is smaller than the "
+              "device's logical block size %u", path, c->block_bytes,
+              bcf_io_block_size (c->io));
+    return -EINVAL;
+  }
+  if (!(c->sb.flags & BCH_CACHE_SYNC)) {
+    if (c->opts.format == BCF_FORMAT_NEVER) {
+      snprintf (err, errlen, "%s was made by make-bcache but never "
+                "registered; allow formatting to initialise it", path);
+      return -ENODEV;
+    }
+    return first_registration (c, err, errlen);
+  }
+  r = open_existing (c, &foreign, err, errlen);
+  if (r == 0 && foreign) {
+    bcf_log (c, BCF_LOG_WARN, "%s: discarding a clean cache of another "
+             "export, as asked", path);
+    drop_state (c);
+    if ((r = zero_superblock (c)) < 0) {
+      snprintf (err, errlen, "clearing %s: %s", path, strerror (-r));
+      return r;
+    }
+    if ((r = new_superblock (c, err, errlen)) < 0)
+      return r;
+    return first_registration (c, err, errlen);
+  }
+  return r;
+}
+
+void
+super_close_state (struct bcf_cache *c)
+{
+  drop_state (c);
+}

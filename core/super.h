@@ -1,0 +1,15 @@
+/* bcachefilter engine: format, first registration, open (see super.c). */
+#ifndef BCACHEFILTER_SUPER_H
+#define BCACHEFILTER_SUPER_H
+
+struct bcf_cache;
+
+/* Open the cache on c->io according to c->opts.format: format a blank
+ * device, register a make-bcache one, or open a live cache (read the
+ * journal, prios, uuids and btree, replay, mark, checkpoint).  Returns 0
+ * or -errno with a message in err. */
+int super_open (struct bcf_cache *c, char *err, size_t errlen);
+/* Free what super_open built. */
+void super_close_state (struct bcf_cache *c);
+
+#endif

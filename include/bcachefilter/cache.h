@@ -1,0 +1,204 @@
+/* bcachefilter: the cache engine's public API.
+ *
+ * A struct bcf_cache is one cache device (in bcache's on-disk format) in
+ * front of one backing store (struct bcf_backing).  The engine knows
+ * nothing about nbdkit: the filter (plugin/) maps NBD requests onto these
+ * calls.  All offsets and lengths here are in BYTES of the backing store
+ * and must be multiples of bcf_cache_block_size() (the cache's block
+ * size); the filter splits or bypasses requests that are not.
+ *
+ * Threads: every call may be made from many threads at once, except open,
+ * close and start/stop of the background threads.  No call does device or
+ * backing I/O while holding the btree lock.
+ *
+ * The cache-miss protocol (DESIGN.md "The cache-miss insert protocol"):
+ *   bcf_lookup            -> hits (device locations) and misses
+ *   bcf_miss_begin        -> inserts a check key over a missed range
+ *   ... read the backing store, answer the client ...
+ *   bcf_miss_fill         -> writes the data to the cache and replace-
+ *                            inserts it against the check key; fails with
+ *                            -EEXIST (a miss collision) if anything
+ *                            touched the range meanwhile
+ *   bcf_miss_cancel       -> drops the check key without caching
+ */
+#ifndef BCACHEFILTER_CACHE_H
+#define BCACHEFILTER_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bcachefilter/backing.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct bcf_cache;
+
+/* What to do with a device that holds no usable cache. */
+enum bcf_format_policy {
+  BCF_FORMAT_NEVER = 0,   /* open an existing cache only */
+  BCF_FORMAT_AUTO,        /* format a blank device; initialise a device made
+                             by make-bcache -C; refuse anything else */
+  BCF_FORMAT_FORCE,       /* format whatever is there (destroys it) */
+};
+
+enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
+
+struct bcf_cache_opts {
+  const char *path;               /* cache device or file */
+  uint64_t create_size;           /* create the file with this size if missing */
+  int io_mode;                    /* enum bcf_io_mode (0 = auto) */
+  bool direct_off;                /* never use O_DIRECT */
+
+  enum bcf_format_policy format;
+  unsigned bucket_sectors;        /* for formatting; 0 = 1024 (512 KiB) */
+  unsigned block_sectors;         /* for formatting; 0 = device's */
+  unsigned replacement;           /* enum bch_replacement, for formatting */
+
+  struct bcf_backing backing;
+  /* Identity of the backing export, recorded in the uuid entry.  A cache
+   * holding another export (uuid or size) is refused unless
+   * discard_foreign is set and it holds no dirty data. */
+  uint8_t backing_uuid[16];
+  char backing_label[32];
+  bool discard_foreign;
+
+  size_t node_cache_bytes;        /* memory bound of the btree node cache;
+                                     0 = 256 MiB */
+  unsigned journal_delay_ms;      /* leaf-insert batching; 0 = 100 */
+
+  /* Diagnostics (may be NULL). */
+  void (*log) (void *opaque, enum bcf_log_level level, const char *msg);
+  void *log_opaque;
+};
+
+/* Open (and if the policy allows, format) a cache.  Returns 0 and sets
+ * *cp, or a negative errno with the reason in err. */
+int bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
+                    char *err, size_t errlen);
+/* Write everything that must be written and close.  Returns 0 or the
+ * first error (the cache is freed either way).  Correctness never depends
+ * on close being called: recovery handles a crash at any point. */
+int bcf_cache_close (struct bcf_cache *c);
+
+/* Background threads: journal timer, allocator, GC.  Tests may instead
+ * drive the work by hand (bcf_cache_journal_write, bcf_gc_run). */
+int bcf_cache_start_threads (struct bcf_cache *c);
+void bcf_cache_stop_threads (struct bcf_cache *c);
+
+unsigned bcf_cache_block_size (const struct bcf_cache *c);
+uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
+
+/* ---- Reads ------------------------------------------------------------- */
+
+enum bcf_extent_kind {
+  BCF_EXTENT_MISS = 0,    /* not cached (a hole, or a check key) */
+  BCF_EXTENT_HIT,         /* cached at dev_offset */
+};
+
+struct bcf_extent {
+  enum bcf_extent_kind kind;
+  bool dirty;             /* newer than the backing store */
+  uint64_t offset;        /* backing-store bytes */
+  uint64_t len;
+  uint64_t dev_offset;    /* cache-device bytes (hits) */
+  uint64_t ptr;           /* the pointer, for bcf_read_hit's recheck */
+};
+
+/* Plan a read: fill out[] with consecutive extents covering [offset,
+ * offset + len), hits and misses, and set *n.  At most max extents; if
+ * the range needs more, the last one returned ends early and the caller
+ * continues from its end.  Returns 0 or a negative errno. */
+int bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                struct bcf_extent *out, unsigned max, unsigned *n);
+
+/* Read a hit from the cache device into buf.  Afterwards the pointer's
+ * gen is checked again: if the bucket was reused meanwhile the data may
+ * be wrong, and -ESTALE is returned (counted as a read race); the caller
+ * reads the backing store instead.  Other errors are device errors
+ * (counted; the caller serves from the backing store). */
+int bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf);
+
+/* ---- The cache-miss protocol ------------------------------------------- */
+
+struct bcf_miss {
+  uint64_t offset, len;
+  uint64_t check_ptr;     /* identifies our check key */
+};
+
+/* Insert a check key over [offset, offset + len).  Returns 0, or
+ * -ENOSPC if the cache cannot take it now (serve without caching). */
+int bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                    struct bcf_miss *m);
+/* Write data (m->len bytes) to a new cache location and replace-insert it
+ * against the check key.  Returns 0; -EEXIST if the range was touched
+ * since bcf_miss_begin (a miss collision: nothing is cached, counted);
+ * -ENOSPC if no space; another -errno on a device error.  Not journalled:
+ * a crash simply forgets it (clean data, safe). */
+int bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data);
+/* Remove our check key (if it is still there) without caching. */
+void bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m);
+
+/* ---- Writes and invalidation ------------------------------------------- */
+
+/* Remove [offset, offset + len) from the cache (journalled).  With
+ * durable, returns only once the invalidation is on the journal (the
+ * bypass-write ordering of DESIGN.md).  Returns 0 or -errno. */
+int bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                    bool durable);
+
+/* Write data to a new cache location and insert it as clean (the backing
+ * store already holds the same bytes) or dirty (it does not), journalled.
+ * With durable, returns once the key is on the journal.  -ENOSPC if the
+ * cache has no room now (the caller invalidates instead).  The range is
+ * invalidated on any failure, so the cache never holds older data than
+ * the caller wrote. */
+int bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                const void *data, bool dirty, bool durable);
+
+/* Make every insert and invalidation returned so far durable (FLUSH). */
+int bcf_flush (struct bcf_cache *c);
+
+/* ---- Maintenance --------------------------------------------------------- */
+
+/* Ask for a GC pass (asynchronous when threads run). */
+void bcf_trigger_gc (struct bcf_cache *c);
+/* Run a whole GC pass in the calling thread, in incremental slices. */
+int bcf_gc_run (struct bcf_cache *c);
+/* Write the pending journal entry now. */
+int bcf_cache_journal_write (struct bcf_cache *c);
+/* Write every dirty btree node and commit a new root (journal reclaim). */
+int bcf_cache_checkpoint (struct bcf_cache *c);
+
+/* ---- Statistics ---------------------------------------------------------- */
+
+struct bcf_time_stat {
+  uint64_t count;
+  uint64_t total_ns;
+  uint64_t max_ns;
+  uint64_t last_ns;
+};
+
+struct bcf_cache_stats {
+  uint64_t nbuckets, bucket_bytes, block_bytes;
+  uint64_t buckets_free, buckets_clean, buckets_dirty, buckets_meta;
+  uint64_t btree_nodes, btree_depth, btree_keys, btree_cache_bytes;
+  uint64_t dirty_sectors;
+  uint64_t journal_seq, journal_last_seq, journal_writes;
+  uint64_t hits, misses, miss_collisions, read_races;
+  uint64_t inserts, invalidates;
+  uint64_t device_errors;
+  struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
+                       checkpoint;
+  uint64_t gc_passes, gc_slices, gc_nodes;
+};
+
+void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BCACHEFILTER_CACHE_H */

@@ -1,0 +1,474 @@
+/* Unit tests for the cache engine (core/): format / open / close, the
+ * cache-miss protocol, a model-based random test with reopen cycles, and
+ * GC running beside allocation.
+ *
+ * The model test plays the request path of a writethrough cache over an
+ * in-memory backing store (tests/unit/mem-backing) and keeps two
+ * references: the shadow copy of what the backing store holds, and, block
+ * by block, whether the block should be cached.  Every hit must equal the
+ * shadow (I1/I2: never stale), and in the strict phase (no eviction) the
+ * cache's hit/miss map must equal the model's exactly, also after every
+ * close and reopen (persistence).  The seed comes from TEST_SEED or the
+ * clock and is printed first.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <check.h>
+
+#include "bcachefilter/cache.h"
+#include "engine.h"
+#include "mem-backing.h"
+
+static unsigned seed;
+static char tmpdir[64];
+
+static uint64_t rng_state;
+static uint64_t
+rnd (void)
+{
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 2685821657736338717ull;
+}
+static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
+
+#define BLOCK 4096u
+
+static void
+log_cb (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  if (level >= BCF_LOG_WARN || getenv ("TEST_VERBOSE"))
+    fprintf (stderr, "engine: %s\n", msg);
+}
+
+struct fixture {
+  char path[128];
+  struct mem_backing *mb;
+  struct bcf_cache_opts opts;
+  struct bcf_cache *c;
+};
+
+static void
+fixture_init (struct fixture *f, const char *name, uint64_t backing_bytes,
+              uint64_t cache_bytes, unsigned bucket_sectors)
+{
+  memset (f, 0, sizeof *f);
+  snprintf (f->path, sizeof f->path, "%s/%s", tmpdir, name);
+  unlink (f->path);
+  f->mb = mem_backing_new (backing_bytes);
+  ck_assert_ptr_nonnull (f->mb);
+  f->opts.path = f->path;
+  f->opts.create_size = cache_bytes;
+  f->opts.format = BCF_FORMAT_AUTO;
+  f->opts.bucket_sectors = bucket_sectors;
+  f->opts.block_sectors = BLOCK / 512;
+  f->opts.backing = mem_backing_get (f->mb);
+  memcpy (f->opts.backing_uuid, "0123456789abcdef", 16);
+  strcpy (f->opts.backing_label, "test export");
+  f->opts.log = log_cb;
+}
+
+static void
+fixture_open (struct fixture *f)
+{
+  char err[512] = "";
+  int r = bcf_cache_open (&f->opts, &f->c, err, sizeof err);
+  ck_assert_msg (r == 0, "bcf_cache_open: %s (%s)", err, strerror (-r));
+}
+
+static void
+fixture_close (struct fixture *f)
+{
+  ck_assert_int_eq (bcf_cache_close (f->c), 0);
+  f->c = NULL;
+}
+
+static void
+fixture_free (struct fixture *f)
+{
+  if (f->c)
+    bcf_cache_close (f->c);
+  mem_backing_free (f->mb);
+  unlink (f->path);
+}
+
+/* ---- the request path, as the filter will drive it ----------------------------- */
+
+static void
+fill (uint8_t *buf, size_t len)
+{
+  for (size_t i = 0; i < len; i += 8) {
+    uint64_t x = rnd ();
+    memcpy (buf + i, &x, len - i < 8 ? len - i : 8);
+  }
+}
+
+/* Read through the cache; every hit is checked against the shadow. */
+static void
+cached_read (struct fixture *f, const uint8_t *shadow, uint64_t off,
+             uint64_t len, bool fill_misses, uint64_t op)
+{
+  struct bcf_extent ext[64];
+  unsigned n;
+  uint64_t pos = off;
+  uint8_t *buf = malloc (len);
+
+  ck_assert_ptr_nonnull (buf);
+  while (pos < off + len) {
+    ck_assert_int_eq (bcf_lookup (f->c, pos, off + len - pos, ext, 64, &n), 0);
+    ck_assert_uint_gt (n, 0);
+    for (unsigned i = 0; i < n; i++) {
+      uint8_t *p = buf + (ext[i].offset - off);
+      ck_assert_uint_eq (ext[i].offset, pos);
+      if (ext[i].kind == BCF_EXTENT_HIT) {
+        int r = bcf_read_hit (f->c, &ext[i], p);
+        ck_assert_msg (r == 0 || r == -ESTALE, "read_hit: %s", strerror (-r));
+        if (r == 0)
+          ck_assert_msg (memcmp (p, shadow + ext[i].offset, ext[i].len) == 0,
+                         "seed %u op %" PRIu64 ": STALE HIT at %" PRIu64
+                         " len %" PRIu64, seed, op, ext[i].offset,
+                         ext[i].len);
+      }
+      else if (fill_misses) {
+        struct bcf_miss m;
+        struct bcf_backing b = mem_backing_get (f->mb);
+        if (bcf_miss_begin (f->c, ext[i].offset, ext[i].len, &m) == 0) {
+          ck_assert_int_eq (b.ops->pread (b.opaque, p, (uint32_t) ext[i].len,
+                                          ext[i].offset), 0);
+          int r = bcf_miss_fill (f->c, &m, p);
+          ck_assert_msg (r == 0 || r == -EEXIST || r == -ENOSPC,
+                         "miss_fill: %s", strerror (-r));
+        }
+      }
+      pos = ext[i].offset + ext[i].len;
+    }
+  }
+  free (buf);
+}
+
+/* ---- tests ----------------------------------------------------------------------- */
+
+START_TEST (test_format_reopen)
+{
+  struct fixture f;
+  struct bcf_cache_stats st;
+  uint8_t *data = malloc (65536);
+
+  fixture_init (&f, "reopen.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.nbuckets, (32 << 20) / (256 * 512));
+  ck_assert_uint_eq (st.btree_depth, 1);
+
+  /* Write through, then reopen: the data must be a hit. */
+  rng_state = seed + 1;
+  fill (data, 65536);
+  ck_assert_int_eq (bcf_insert (f.c, 1 << 20, 65536, data, false, true), 0);
+  fixture_close (&f);
+
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  struct bcf_extent e[4];
+  unsigned n;
+  ck_assert_int_eq (bcf_lookup (f.c, 1 << 20, 65536, e, 4, &n), 0);
+  ck_assert_uint_eq (n, 1);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  uint8_t *back = malloc (65536);
+  ck_assert_int_eq (bcf_read_hit (f.c, &e[0], back), 0);
+  ck_assert (memcmp (back, data, 65536) == 0);
+  fixture_close (&f);
+
+  /* bcache-super-show accepts what we wrote. */
+  if (strcmp (BCACHE_SUPER_SHOW, "no") != 0) {
+    char cmd[512];
+    snprintf (cmd, sizeof cmd, "%s %s | grep -q '^sb.csum.*\\[match\\]'",
+              BCACHE_SUPER_SHOW, f.path);
+    ck_assert_int_eq (system (cmd), 0);
+  }
+  free (back);
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
+/* A device made by make-bcache -C is registered, written, reopened. */
+START_TEST (test_make_bcache_interop)
+{
+  struct fixture f;
+  char cmd[512];
+  uint8_t *data = malloc (8192);
+
+  if (strcmp (MAKE_BCACHE, "no") == 0) {
+    fprintf (stderr, "SKIP: make-bcache missing\n");
+    free (data);
+    return;
+  }
+  fixture_init (&f, "mb.img", 16 << 20, 64 << 20, 0);
+  {
+    int fd = open (f.path, O_RDWR | O_CREAT, 0600);
+    ck_assert_int_ge (fd, 0);
+    ck_assert_int_eq (ftruncate (fd, 64 << 20), 0);
+    close (fd);
+  }
+  snprintf (cmd, sizeof cmd, "%s -C -b 256k -w 4k %s >/dev/null", MAKE_BCACHE,
+            f.path);
+  ck_assert_int_eq (system (cmd), 0);
+  f.opts.format = BCF_FORMAT_AUTO;
+  fixture_open (&f);
+  rng_state = seed + 2;
+  fill (data, 8192);
+  ck_assert_int_eq (bcf_insert (f.c, 40960, 8192, data, false, true), 0);
+  fixture_close (&f);
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  struct bcf_extent e[2];
+  unsigned n;
+  ck_assert_int_eq (bcf_lookup (f.c, 40960, 8192, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  fixture_close (&f);
+  snprintf (cmd, sizeof cmd, "%s %s | grep -q '^sb.version.*3'",
+            BCACHE_SUPER_SHOW, f.path);
+  ck_assert_int_eq (system (cmd), 0);
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
+/* The cache-miss protocol: an invalidation between begin and fill makes
+ * the fill collide, and nothing is cached. */
+START_TEST (test_miss_collision)
+{
+  struct fixture f;
+  struct bcf_miss m;
+  struct bcf_extent e[4];
+  struct bcf_cache_stats st;
+  unsigned n;
+  uint8_t *data = calloc (1, 16384);
+
+  fixture_init (&f, "collide.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_miss_begin (f.c, 0, 16384, &m), 0);
+  ck_assert_int_eq (bcf_invalidate (f.c, 4096, 4096, true), 0);
+  ck_assert_int_eq (bcf_miss_fill (f.c, &m, data), -EEXIST);
+  ck_assert_int_eq (bcf_lookup (f.c, 0, 16384, e, 4, &n), 0);
+  ck_assert_uint_eq (n, 1);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_MISS);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.miss_collisions, 1);
+
+  /* Without interference the fill is cached. */
+  ck_assert_int_eq (bcf_miss_begin (f.c, 0, 16384, &m), 0);
+  ck_assert_int_eq (bcf_miss_fill (f.c, &m, data), 0);
+  ck_assert_int_eq (bcf_lookup (f.c, 0, 16384, e, 4, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  ck_assert_uint_eq (e[0].len, 16384);
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
+/* The strict model phase: no eviction, so the cached map is exact. */
+START_TEST (test_model_random)
+{
+  const uint64_t backing = 16 << 20, nblocks = backing / BLOCK;
+  const uint64_t ops = getenv ("TEST_MODEL_OPS")
+                       ? strtoull (getenv ("TEST_MODEL_OPS"), NULL, 0) : 60000;
+  struct fixture f;
+  uint8_t *shadow = calloc (1, backing), *buf = malloc (64 * BLOCK);
+  bool *cached = calloc (nblocks, sizeof *cached);
+  struct bcf_backing b;
+  uint64_t reopen = 0, checked = 0;
+
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 3;
+  /* 512 MiB of cache in 16 KiB buckets: the test never fills it, so
+   * nothing is evicted and the expected map is exact.  Small buckets mean
+   * 16 KiB nodes of about 500 keys, so splits, relocations and a btree of
+   * several levels happen. */
+  fixture_init (&f, "model.img", backing, 512ull << 20, 32);
+  b = mem_backing_get (f.mb);
+  fixture_open (&f);
+
+  for (uint64_t op = 0; op < ops; op++) {
+    uint64_t blk = rnd_below (nblocks), nb = 1 + rnd_below (rnd_below (4) ? 4 : 64);
+    uint64_t what = rnd_below (100);
+
+    if (blk + nb > nblocks)
+      nb = nblocks - blk;
+    if (what < 35) {                   /* writethrough write */
+      fill (buf, nb * BLOCK);
+      ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, (uint32_t) (nb * BLOCK),
+                                       blk * BLOCK, false), 0);
+      memcpy (shadow + blk * BLOCK, buf, nb * BLOCK);
+      int r = bcf_insert (f.c, blk * BLOCK, nb * BLOCK, buf, false,
+                          rnd_below (10) == 0);
+      ck_assert_msg (r == 0, "insert: %s", strerror (-r));
+      for (uint64_t i = 0; i < nb; i++)
+        cached[blk + i] = true;
+    }
+    else if (what < 50) {              /* bypass write */
+      ck_assert_int_eq (bcf_invalidate (f.c, blk * BLOCK, nb * BLOCK, true), 0);
+      fill (buf, nb * BLOCK);
+      ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, (uint32_t) (nb * BLOCK),
+                                       blk * BLOCK, false), 0);
+      memcpy (shadow + blk * BLOCK, buf, nb * BLOCK);
+      for (uint64_t i = 0; i < nb; i++)
+        cached[blk + i] = false;
+    }
+    else if (what < 90) {              /* read, filling misses */
+      cached_read (&f, shadow, blk * BLOCK, nb * BLOCK, true, op);
+      for (uint64_t i = 0; i < nb; i++)
+        cached[blk + i] = true;
+    }
+    else if (what < 95)
+      ck_assert_int_eq (bcf_flush (f.c), 0);
+    else if (what < 97)
+      ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+    else if (what < 98)
+      ck_assert_int_eq (bcf_gc_run (f.c), 0);
+    else if (rnd_below (20) == 0) {    /* clean close and reopen */
+      fixture_close (&f);
+      f.opts.format = BCF_FORMAT_NEVER;
+      fixture_open (&f);
+      reopen++;
+    }
+
+    /* Every so often compare the whole cached map. */
+    if (op % 5000 == 4999 || op == ops - 1) {
+      for (uint64_t blk2 = 0; blk2 < nblocks; blk2 += 256) {
+        struct bcf_extent e[300];
+        unsigned n;
+        ck_assert_int_eq (bcf_lookup (f.c, blk2 * BLOCK, 256 * BLOCK, e, 300,
+                                      &n), 0);
+        for (unsigned i = 0; i < n; i++)
+          for (uint64_t x = e[i].offset / BLOCK;
+               x < (e[i].offset + e[i].len) / BLOCK; x++)
+            ck_assert_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
+                           "seed %u op %" PRIu64 ": block %" PRIu64
+                           " is %s, the model says %s", seed, op, x,
+                           e[i].kind == BCF_EXTENT_HIT ? "cached" : "not cached",
+                           cached[x] ? "cached" : "not cached");
+        checked++;
+      }
+      cached_read (&f, shadow, 0, 64 * BLOCK, false, op);
+    }
+  }
+  struct bcf_cache_stats st;
+  bcf_cache_stats (f.c, &st);
+  printf ("test-engine: model: %" PRIu64 " ops, %" PRIu64 " reopens, %"
+          PRIu64 " keys, %" PRIu64 " nodes, depth %" PRIu64 ", %" PRIu64
+          " splits, %" PRIu64 " checkpoints\n", ops, reopen, st.btree_keys,
+          st.btree_nodes, st.btree_depth, st.btree_split.count,
+          st.checkpoint.count);
+  ck_assert_uint_gt (st.btree_depth, 1);
+  fixture_free (&f);
+  free (shadow);
+  free (buf);
+  free (cached);
+}
+END_TEST
+
+/* Eviction phase: a small cache under a large working set.  Only
+ * correctness is checked (every hit equals the backing store). */
+START_TEST (test_model_eviction)
+{
+  const uint64_t backing = 64 << 20, nblocks = backing / BLOCK;
+  const uint64_t ops = 30000;
+  struct fixture f;
+  uint8_t *shadow = calloc (1, backing), *buf = malloc (64 * BLOCK);
+  struct bcf_backing b;
+  struct bcf_cache_stats st;
+
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 5;
+  fixture_init (&f, "evict.img", backing, 16 << 20, 128);
+  b = mem_backing_get (f.mb);
+  fixture_open (&f);
+  for (uint64_t op = 0; op < ops; op++) {
+    uint64_t blk = rnd_below (nblocks), nb = 1 + rnd_below (16);
+    if (blk + nb > nblocks)
+      nb = nblocks - blk;
+    if (rnd_below (3) == 0) {
+      fill (buf, nb * BLOCK);
+      ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, (uint32_t) (nb * BLOCK),
+                                       blk * BLOCK, false), 0);
+      memcpy (shadow + blk * BLOCK, buf, nb * BLOCK);
+      int r = bcf_insert (f.c, blk * BLOCK, nb * BLOCK, buf, false, false);
+      ck_assert_msg (r == 0 || r == -ENOSPC, "insert: %s", strerror (-r));
+    }
+    else
+      cached_read (&f, shadow, blk * BLOCK, nb * BLOCK, true, op);
+    if (op % 3000 == 2999)
+      ck_assert_int_eq (bcf_gc_run (f.c), 0);
+    if (op % 10000 == 9999) {
+      fixture_close (&f);
+      f.opts.format = BCF_FORMAT_NEVER;
+      fixture_open (&f);
+    }
+  }
+  bcf_cache_stats (f.c, &st);
+  printf ("test-engine: eviction: %" PRIu64 " ops, %" PRIu64 " gc passes, "
+          "%" PRIu64 " free buckets of %" PRIu64 "\n", ops, st.gc_passes,
+          st.buckets_free, st.nbuckets);
+  fixture_free (&f);
+  free (shadow);
+  free (buf);
+}
+END_TEST
+
+/* One test case per test, so CK_RUN_CASE=name runs just that one. */
+static void
+add (Suite *s, const char *name, const TTest *t)
+{
+  TCase *tc = tcase_create (name);
+  tcase_set_timeout (tc, 600);
+  tcase_add_test (tc, t);
+  suite_add_tcase (s, tc);
+}
+
+static Suite *
+engine_suite (void)
+{
+  Suite *s = suite_create ("engine");
+
+  add (s, "format_reopen", test_format_reopen);
+  add (s, "make_bcache_interop", test_make_bcache_interop);
+  add (s, "miss_collision", test_miss_collision);
+  add (s, "model_random", test_model_random);
+  add (s, "model_eviction", test_model_eviction);
+  return s;
+}
+
+int
+main (void)
+{
+  const char *env = getenv ("TEST_SEED");
+  SRunner *sr;
+  int failed;
+
+  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
+  printf ("test-engine: seed=%u (set TEST_SEED to replay)\n", seed);
+  fflush (stdout);
+  snprintf (tmpdir, sizeof tmpdir, "/tmp/bcf-engine-XXXXXX");
+  if (!mkdtemp (tmpdir)) {
+    perror ("mkdtemp");
+    return 99;
+  }
+  sr = srunner_create (engine_suite ());
+  srunner_set_fork_status (sr, CK_NOFORK);
+  srunner_run_all (sr, CK_NORMAL);
+  failed = srunner_ntests_failed (sr);
+  srunner_free (sr);
+  rmdir (tmpdir);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
