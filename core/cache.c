@@ -87,11 +87,12 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   int r;
 
   *cp = NULL;
-  if (!opts->backing.ops) {
+  if (!opts->backing.ops && !opts->readonly) {
     snprintf (err, errlen, "no backing store given");
     return -EINVAL;
   }
-  size = opts->backing.ops->size (opts->backing.opaque);
+  size = opts->backing.ops ? opts->backing.ops->size (opts->backing.opaque)
+         : 0;
   if (size < 0) {
     snprintf (err, errlen, "cannot get the size of the backing store: %s",
               strerror ((int) -size));
@@ -108,6 +109,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   gc_init (c);
 
   io.path = opts->path;
+  io.readonly = opts->readonly;
   io.mode = (enum bcf_io_mode) opts->io_mode;
   io.direct = opts->direct_off ? BCF_IO_DIRECT_OFF : BCF_IO_DIRECT_AUTO;
   io.create_size = opts->create_size;
@@ -145,7 +147,7 @@ bcf_cache_close (struct bcf_cache *c)
   if (!c)
     return 0;
   bcf_cache_stop_threads (c);
-  if (!c->failed) {
+  if (!c->failed && !c->opts.readonly) {
     pthread_mutex_lock (&c->ckpt_lock);
     r = btree_checkpoint (c);
     pthread_mutex_unlock (&c->ckpt_lock);
@@ -407,6 +409,8 @@ bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   uint64_t s, e;
   int r;
 
+  if (c->opts.readonly)
+    return -EROFS;
   if (c->failed)
     return -ENOSPC;
   if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
@@ -534,6 +538,8 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
   bool journal;
   int r;
 
+  if (c->opts.readonly)
+    return -EROFS;
   if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
@@ -566,6 +572,8 @@ bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
                    : MAX_KEY_SECTORS;
   int r = 0;
 
+  if (c->opts.readonly)
+    return -EROFS;
   if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
     return r;
   if (c->failed)
@@ -606,6 +614,8 @@ bcf_flush (struct bcf_cache *c)
 {
   uint64_t seq;
 
+  if (c->opts.readonly)
+    return 0;             /* nothing was written */
   pthread_mutex_lock (&c->journal.lock);
   seq = c->journal.seq;
   pthread_mutex_unlock (&c->journal.lock);
@@ -623,6 +633,8 @@ bcf_cache_checkpoint (struct bcf_cache *c)
 {
   int r;
 
+  if (c->opts.readonly)
+    return -EROFS;
   pthread_mutex_lock (&c->ckpt_lock);
   r = btree_checkpoint (c);
   pthread_mutex_unlock (&c->ckpt_lock);
@@ -729,7 +741,7 @@ bcf_cache_start_threads (struct bcf_cache *c)
 {
   int r;
 
-  if (c->threads_running)
+  if (c->threads_running || c->opts.readonly)
     return 0;
   c->stopping = false;
   if ((r = pthread_create (&c->journal_thread, NULL, journal_thread, c)))

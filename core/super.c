@@ -394,6 +394,15 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
            bcf_io_path (c->io), jr.entries, nkeys, c->tree.nkeys,
            c->tree.nnodes);
 
+  /* A read-only open (tools) stops here, after the initial mark in
+   * memory: nothing is written, and there is no export to compare. */
+  if (c->opts.readonly) {
+    mark_layout (c);
+    if ((r = bcf_gc_run (c)) < 0)
+      snprintf (err, errlen, "initial mark of the cache: %s", strerror (-r));
+    return r;
+  }
+
   /* Whose cache is it? */
   /* (An empty slot 0: a cache never attached to an export; it is
    * claimed below.) */
@@ -500,6 +509,13 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     st = bch_sb_validate (&c->sb, dev_sectors, &d);
   bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
 
+  if (c->opts.readonly && (blank || st != BCH_OK ||
+                           !(c->sb.flags & BCH_CACHE_SYNC))) {
+    snprintf (err, errlen, "%s is not an initialised bcache cache (%s)", path,
+              blank ? "blank" : st != BCH_OK ? d.msg
+              : "made by make-bcache, never registered");
+    return st == BCH_ERR_MAGIC || blank ? -EMEDIUMTYPE : -EUCLEAN;
+  }
   if (c->opts.format == BCF_FORMAT_FORCE) {
     if (!blank && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,

@@ -48,6 +48,9 @@ enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
 
 struct bcf_cache_opts {
   const char *path;               /* cache device or file */
+  bool readonly;                  /* inspect only (tools): never write;
+                                     backing may be absent; writes fail
+                                     with -EROFS */
   uint64_t create_size;           /* create the file with this size if missing */
   int io_mode;                    /* enum bcf_io_mode (0 = auto) */
   bool direct_off;                /* never use O_DIRECT */
