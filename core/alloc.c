@@ -709,6 +709,18 @@ alloc_prio_read (struct bcf_cache *c, uint64_t head)
       r = -EUCLEAN;
       break;
     }
+    /* One chain, written in one go: every bucket carries the head's seq,
+     * and none appears twice (a cycle would load wrong gens). */
+    for (unsigned k = 0; k < a->nprio; k++)
+      if (a->prio_buckets[k] == bucket)
+        h.seq = 0;
+    if (i > 0 && h.seq != a->prio_seq) {
+      bcf_log (c, BCF_LOG_ERROR, "prio bucket %" PRIu64 " does not belong to "
+               "the chain (seq %" PRIu64 ", head has %" PRIu64 ", or seen "
+               "twice)", bucket, h.seq, a->prio_seq);
+      r = -EUCLEAN;
+      break;
+    }
     for (uint64_t j = 0; j < n; j++) {
       struct bch_bucket_disk e = bch_pset_entry (buf, j);
       struct bucket *b = &a->buckets[first + j];
@@ -716,7 +728,7 @@ alloc_prio_read (struct bcf_cache *c, uint64_t head)
       b->prio = e.prio;
     }
     a->prio_buckets[a->nprio++] = bucket;
-    if (h.seq > a->prio_seq)
+    if (i == 0)
       a->prio_seq = h.seq;
     bucket = h.next_bucket;
   }

@@ -14,6 +14,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -426,7 +427,146 @@ START_TEST (test_model_eviction)
 }
 END_TEST
 
+
+/* GC does not block allocation: a GC pass paused half way (between two
+ * slices, by a test hook) while foreground writes need more buckets than
+ * the free lists hold; they must succeed (the allocator keeps
+ * invalidating with the marks of the previous pass), and no bucket that
+ * holds live data may be reused (every hit still equals the backing
+ * store, before and after the pass completes). */
+struct gc_pause {
+  pthread_mutex_t lock;
+  pthread_cond_t cv;
+  unsigned at;
+  bool paused, release;
+};
+
+static void
+gc_pause_hook (struct bcf_cache *c, unsigned slice, void *opaque)
+{
+  struct gc_pause *p = opaque;
+
+  if (slice != p->at)
+    return;
+  pthread_mutex_lock (&p->lock);
+  p->paused = true;
+  pthread_cond_broadcast (&p->cv);
+  while (!p->release)
+    pthread_cond_wait (&p->cv, &p->lock);
+  pthread_mutex_unlock (&p->lock);
+}
+
+static void *
+gc_runner (void *arg)
+{
+  return (void *) (intptr_t) bcf_gc_run (arg);
+}
+
+static void
+verify_all_hits (struct fixture *f, const uint8_t *shadow, uint64_t bytes)
+{
+  for (uint64_t off = 0; off < bytes; off += 256 * BLOCK)
+    cached_read (f, shadow, off, 256 * BLOCK, false, 0);
+}
+
+START_TEST (test_gc_does_not_block_alloc)
+{
+  const uint64_t backing = 64 << 20, nblocks = backing / BLOCK;
+  struct fixture f;
+  struct bcf_backing b;
+  struct gc_pause p = { .at = 0 };
+  uint8_t *shadow = calloc (1, backing), *buf = malloc (BLOCK);
+  uint64_t prio_seq0, written = 0, need;
+  struct bcf_cache_stats st;
+  pthread_t th;
+  void *ret;
+
+  pthread_mutex_init (&p.lock, NULL);
+  pthread_cond_init (&p.cv, NULL);
+  rng_state = seed * 31 + 7;
+  /* 16 MiB of cache in 16 KiB buckets (1024 buckets, 16 KiB nodes of
+   * about 540 keys): scattered 4 KiB inserts give dozens of leaves, so a
+   * pass has several slices. */
+  fixture_init (&f, "gcalloc.img", backing, 16 << 20, 32);
+  b = mem_backing_get (f.mb);
+  fixture_open (&f);
+
+  /* Fill the cache until it evicts: every bucket holds data. */
+  while (written < 2 * (16 << 20)) {
+    uint64_t blk = rnd_below (nblocks);
+    fill (buf, BLOCK);
+    ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, BLOCK, blk * BLOCK, false),
+                      0);
+    memcpy (shadow + blk * BLOCK, buf, BLOCK);
+    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false),
+                      0);
+    written += BLOCK;
+  }
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  bcf_cache_stats (f.c, &st);
+  /* More leaves than one slice handles (10), so the pass is mid-way when
+   * paused after its first slice. */
+  ck_assert_uint_gt (st.btree_nodes, 12);
+
+  /* Pause a pass after its first slice. */
+  f.c->gc.slice_hook = gc_pause_hook;
+  f.c->gc.slice_hook_opaque = &p;
+  ck_assert_int_eq (pthread_create (&th, NULL, gc_runner, f.c), 0);
+  pthread_mutex_lock (&p.lock);
+  while (!p.paused)
+    pthread_cond_wait (&p.cv, &p.lock);
+  pthread_mutex_unlock (&p.lock);
+
+  /* Write more than every free list holds, so the allocator must
+   * invalidate buckets while the pass is paused. */
+  pthread_mutex_lock (&f.c->alloc.lock);
+  prio_seq0 = f.c->alloc.prio_seq;
+  need = 0;
+  for (int r = 0; r < RESERVE_NR; r++)
+    need += f.c->alloc.free[r].size;
+  pthread_mutex_unlock (&f.c->alloc.lock);
+  need = 2 * need * f.c->bucket_bytes;
+  for (written = 0; written < need; written += BLOCK) {
+    uint64_t blk = rnd_below (nblocks);
+    fill (buf, BLOCK);
+    ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, BLOCK, blk * BLOCK, false),
+                      0);
+    memcpy (shadow + blk * BLOCK, buf, BLOCK);
+    int r = bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false);
+    ck_assert_msg (r == 0, "insert during a paused GC pass: %s", strerror (-r));
+  }
+  pthread_mutex_lock (&f.c->alloc.lock);
+  ck_assert_msg (f.c->alloc.prio_seq > prio_seq0,
+                 "the allocator did not refill while GC was paused");
+  pthread_mutex_unlock (&f.c->alloc.lock);
+  ck_assert (f.c->gc.running);
+  verify_all_hits (&f, shadow, backing);
+
+  pthread_mutex_lock (&p.lock);
+  p.release = true;
+  pthread_cond_broadcast (&p.cv);
+  pthread_mutex_unlock (&p.lock);
+  ck_assert_int_eq (pthread_join (th, &ret), 0);
+  ck_assert_int_eq ((int) (intptr_t) ret, 0);
+  f.c->gc.slice_hook = NULL;
+  verify_all_hits (&f, shadow, backing);
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_free (&f);
+  free (shadow);
+  free (buf);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
+static void
+add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
+{
+  TCase *tc = tcase_create (name);
+  tcase_set_timeout (tc, timeout);
+  tcase_add_test (tc, t);
+  suite_add_tcase (s, tc);
+}
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -446,6 +586,10 @@ engine_suite (void)
   add (s, "miss_collision", test_miss_collision);
   add (s, "model_random", test_model_random);
   add (s, "model_eviction", test_model_eviction);
+  /* An allocator that waits for GC never returns here (the pass is
+   * paused): the timeout turns that stall into a failure. */
+  add_timeout (s, "gc_does_not_block_alloc", test_gc_does_not_block_alloc,
+               120);
   return s;
 }
 
@@ -465,7 +609,6 @@ main (void)
     return 99;
   }
   sr = srunner_create (engine_suite ());
-  srunner_set_fork_status (sr, CK_NOFORK);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
   srunner_free (sr);

@@ -1,0 +1,510 @@
+/* Crash tests for the cache engine, in Open CAS's style: for every I/O
+ * index N of a scripted workload, cut the power after the N-th write to
+ * the cache device, let its volatile write cache lose a seeded random
+ * subset of the unflushed writes (core/io.c's crash model), reopen, and
+ * check:
+ *
+ *   - the cache opens (recovery never gives up on a crash);
+ *   - fsck finds nothing wrong (bcf_cache_fsck: node ranges, no live
+ *     pointer into a metadata bucket, no pointer from the future);
+ *   - I2: every cached extent equals the backing store;
+ *   - I3: every block whose insert was acknowledged before the last
+ *     completed flush, and not touched since, is still cached.
+ *
+ * The backing store (tests/unit/mem-backing) is durable: only the cache
+ * device crashes, as when nbdkit's host loses power and the NAS does not.
+ * Workloads: writethrough inserts with splits and invalidations; cache-miss
+ * fills with checkpoints; a small cache under eviction with GC and journal
+ * wrap-around.  TEST_CRASH_STRIDE (default 1) tests every K-th index.
+ * The seed is printed; TEST_SEED replays.
+ *
+ * Also here: recovery tolerates a torn newest journal entry and refuses a
+ * gap in the middle of the journal.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <check.h>
+
+#include "bcachefilter/cache.h"
+#include "engine.h"
+#include "mem-backing.h"
+
+#define BLOCK 4096u
+#define BACKING (4u << 20)
+#define NBLOCKS (BACKING / BLOCK)
+
+static unsigned seed;
+static char tmpdir[64];
+
+static uint64_t rng_state;
+static uint64_t
+rnd (void)
+{
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 2685821657736338717ull;
+}
+static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
+
+static void
+log_cb (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  if (getenv ("TEST_VERBOSE") || (level >= BCF_LOG_ERROR &&
+                                  getenv ("TEST_VERBOSE_ERRORS")))
+    fprintf (stderr, "engine: %s\n", msg);
+}
+
+/* What the test knows about the cache. */
+struct model {
+  uint8_t *shadow;              /* the backing store's contents */
+  bool cached[NBLOCKS];         /* cached now, if no crash */
+  bool flushed[NBLOCKS];        /* cached as of the last completed flush */
+  bool touched[NBLOCKS];        /* changed since the last completed flush */
+};
+
+struct run {
+  char path[128];
+  struct mem_backing *mb;
+  struct bcf_backing b;
+  struct bcf_cache_opts opts;
+  struct bcf_cache *c;
+  struct model m;
+  uint8_t buf[64 * BLOCK];
+};
+
+static void
+run_open (struct run *r, enum bcf_format_policy policy, bool must)
+{
+  char err[512] = "";
+  int e;
+
+  r->opts.format = policy;
+  e = bcf_cache_open (&r->opts, &r->c, err, sizeof err);
+  if (must)
+    ck_assert_msg (e == 0, "seed %u: open: %s (%s)", seed, err, strerror (-e));
+}
+
+static void
+run_init (struct run *r, const char *name, uint64_t cache_bytes,
+          unsigned bucket_sectors)
+{
+  memset (r, 0, sizeof *r);
+  snprintf (r->path, sizeof r->path, "%s/%s", tmpdir, name);
+  unlink (r->path);
+  r->mb = mem_backing_new (BACKING);
+  r->b = mem_backing_get (r->mb);
+  r->m.shadow = calloc (1, BACKING);
+  r->opts.path = r->path;
+  r->opts.create_size = cache_bytes;
+  r->opts.bucket_sectors = bucket_sectors;
+  r->opts.block_sectors = BLOCK / 512;
+  r->opts.backing = r->b;
+  memcpy (r->opts.backing_uuid, "crash-test-uuid!", 16);
+  r->opts.direct_off = true;   /* the crash model works on the file */
+  r->opts.log = log_cb;
+  run_open (r, BCF_FORMAT_AUTO, true);
+}
+
+static void
+run_free (struct run *r)
+{
+  if (r->c)
+    bcf_cache_close (r->c);
+  mem_backing_free (r->mb);
+  free (r->m.shadow);
+  unlink (r->path);
+}
+
+static void
+fill (uint8_t *buf, size_t len)
+{
+  for (size_t i = 0; i < len; i += 8) {
+    uint64_t x = rnd ();
+    memcpy (buf + i, &x, len - i < 8 ? len - i : 8);
+  }
+}
+
+static void
+mark (struct run *r, uint64_t blk, uint64_t nb, bool cached)
+{
+  for (uint64_t i = 0; i < nb; i++) {
+    r->m.cached[blk + i] = cached;
+    r->m.touched[blk + i] = true;
+  }
+}
+
+/* ---- workload steps; each returns false once the "machine" died ---------- */
+
+/* A writethrough write, in DESIGN.md's order: invalidate durably (where
+ * anything is cached), write the backing store, then insert the clean key.
+ * A crash between the backing write and the insert leaves the range
+ * uncached, never cached with the old data. */
+static bool
+step_insert (struct run *r, uint64_t blk, uint64_t nb)
+{
+  mark (r, blk, nb, false);
+  if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
+    return false;
+  fill (r->buf, nb * BLOCK);
+  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
+                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
+                                      false), 0);
+  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+  if (bcf_insert (r->c, blk * BLOCK, nb * BLOCK, r->buf, false, false) != 0)
+    return false;
+  mark (r, blk, nb, true);
+  return true;
+}
+
+static bool
+step_bypass (struct run *r, uint64_t blk, uint64_t nb)
+{
+  mark (r, blk, nb, false);
+  if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
+    return false;
+  fill (r->buf, nb * BLOCK);
+  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
+                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
+                                      false), 0);
+  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+  return true;
+}
+
+static bool
+step_read_fill (struct run *r, uint64_t blk, uint64_t nb)
+{
+  struct bcf_extent e[64];
+  unsigned n;
+
+  if (bcf_lookup (r->c, blk * BLOCK, nb * BLOCK, e, 64, &n) != 0)
+    return false;
+  for (unsigned i = 0; i < n; i++) {
+    struct bcf_miss miss;
+    int x;
+
+    if (e[i].kind == BCF_EXTENT_HIT)
+      continue;
+    if (bcf_miss_begin (r->c, e[i].offset, e[i].len, &miss) != 0)
+      return false;
+    memcpy (r->buf, r->m.shadow + e[i].offset, e[i].len);
+    x = bcf_miss_fill (r->c, &miss, r->buf);
+    if (x != 0 && x != -EEXIST)
+      return false;
+    /* A fill is not journalled: it need not survive a crash. */
+  }
+  return true;
+}
+
+static bool
+step_flush (struct run *r)
+{
+  if (bcf_flush (r->c) != 0)
+    return false;
+  memcpy (r->m.flushed, r->m.cached, sizeof r->m.flushed);
+  memset (r->m.touched, 0, sizeof r->m.touched);
+  return true;
+}
+
+enum workload { W_INSERTS, W_FILLS, W_EVICTION, W_COUNT };
+static const char *const wname[] = { "inserts+splits", "fills+checkpoints",
+                                     "eviction+gc+journal-wrap" };
+
+static void
+workload (struct run *r, enum workload w, unsigned wseed)
+{
+  const unsigned ops = w == W_EVICTION ? 400 : 250;
+
+  rng_state = wseed * 0x9E3779B97F4A7C15ull + 11;
+  for (unsigned op = 0; op < ops; op++) {
+    uint64_t blk = rnd_below (NBLOCKS), nb = 1 + rnd_below (8);
+    uint64_t what = rnd_below (100);
+    bool alive = true;
+
+    if (blk + nb > NBLOCKS)
+      nb = NBLOCKS - blk;
+    switch (w) {
+    case W_INSERTS:
+      alive = what < 70 ? step_insert (r, blk, nb)
+            : what < 85 ? step_bypass (r, blk, nb)
+            : what < 95 ? step_read_fill (r, blk, nb)
+            : step_flush (r);
+      break;
+    case W_FILLS:
+      alive = what < 50 ? step_read_fill (r, blk, nb)
+            : what < 70 ? step_insert (r, blk, nb)
+            : what < 80 ? step_bypass (r, blk, nb)
+            : what < 93 ? step_flush (r)
+            : bcf_cache_checkpoint (r->c) == 0;
+      break;
+    default:
+      alive = what < 45 ? step_insert (r, blk, nb)
+            : what < 75 ? step_read_fill (r, blk, nb)
+            : what < 85 ? step_bypass (r, blk, nb)
+            : what < 95 ? step_flush (r)
+            : bcf_gc_run (r->c) == 0;
+      break;
+    }
+    if (!alive)
+      return;
+  }
+  step_flush (r);
+}
+
+/* ---- the checks after recovery ---------------------------------------------- */
+
+static void
+check_recovered (struct run *r, enum workload w, uint64_t n)
+{
+  char report[4096];
+  int problems = bcf_cache_fsck (r->c, report, sizeof report);
+
+  ck_assert_msg (problems == 0, "seed %u workload %s cut at write %" PRIu64
+                 ": fsck found %d problems:\n%s", seed, wname[w], n,
+                 problems, report);
+  for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
+    struct bcf_extent e[80];
+    unsigned ne;
+
+    ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, e, 80, &ne),
+                      0);
+    for (unsigned i = 0; i < ne; i++) {
+      uint64_t b0 = e[i].offset / BLOCK, b1 = (e[i].offset + e[i].len) / BLOCK;
+
+      if (e[i].kind == BCF_EXTENT_HIT) {
+        int x = bcf_read_hit (r->c, &e[i], r->buf);
+        ck_assert_int_eq (x, 0);
+        ck_assert_msg (memcmp (r->buf, r->m.shadow + e[i].offset, e[i].len)
+                       == 0, "seed %u workload %s cut at write %" PRIu64
+                       ": I2 violated: cached blocks %" PRIu64 "..%" PRIu64
+                       " differ from the backing store", seed, wname[w], n,
+                       b0, b1 - 1);
+      }
+      else if (w != W_EVICTION)
+        for (uint64_t x = b0; x < b1; x++)
+          ck_assert_msg (!(r->m.flushed[x] && !r->m.touched[x]),
+                         "seed %u workload %s cut at write %" PRIu64
+                         ": I3 violated: block %" PRIu64 " was inserted "
+                         "and flushed but is no longer cached", seed,
+                         wname[w], n, x);
+    }
+  }
+}
+
+/* Writes a workload makes to the cache device, without faults. */
+static uint64_t
+count_writes (enum workload w, uint64_t cache_bytes, unsigned bucket)
+{
+  struct run r;
+  struct bcf_io_faults f = { 0 };
+  struct bcf_io_stats st;
+
+  run_init (&r, "count.img", cache_bytes, bucket);
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+  workload (&r, w, seed);
+  bcf_io_stats (bcf_cache_test_io (r.c), &st);
+  bcf_io_set_faults (bcf_cache_test_io (r.c), NULL);
+  run_free (&r);
+  return st.writes;
+}
+
+static void
+crash_workload (enum workload w)
+{
+  /* 8 KiB buckets: 8 KiB nodes of ~270 keys, so splits, relocations and
+   * root growth happen within a few hundred operations.  The eviction
+   * workload's cache holds a fraction of what it writes. */
+  const uint64_t cache_bytes = w == W_EVICTION ? (3u << 20) : (16u << 20);
+  const unsigned bucket = 16;
+  uint64_t total = count_writes (w, cache_bytes, bucket), tested = 0;
+  const char *s = getenv ("TEST_CRASH_STRIDE");
+  uint64_t stride = s ? strtoull (s, NULL, 0) : 1;
+
+  if (stride == 0)
+    stride = 1;
+  for (uint64_t n = 1; n <= total; n += stride) {
+    struct run r;
+    struct bcf_io_faults f = { .power_cut_after_write = n };
+
+    run_init (&r, "crash.img", cache_bytes, bucket);
+    bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+    workload (&r, w, seed);
+    bcf_cache_test_crash (r.c, seed ^ n, BCF_IO_CRASH_RANDOM);
+    r.c = NULL;
+    run_open (&r, BCF_FORMAT_NEVER, true);
+    check_recovered (&r, w, n);
+    run_free (&r);
+    tested++;
+  }
+  printf ("test-crash: workload %s: %" PRIu64 " of %" PRIu64
+          " write indices power-cut, recovered and checked\n", wname[w],
+          tested, total);
+  fflush (stdout);
+}
+
+START_TEST (test_crash_inserts) { crash_workload (W_INSERTS); }
+END_TEST
+START_TEST (test_crash_fills) { crash_workload (W_FILLS); }
+END_TEST
+START_TEST (test_crash_eviction) { crash_workload (W_EVICTION); }
+END_TEST
+
+/* ---- journal recovery edge cases ------------------------------------------- */
+
+struct jpos { uint64_t off, seq; };
+
+/* Find every valid journal entry in the file: (device offset, seq). */
+static size_t
+find_entries (const char *path, struct jpos *out, size_t max)
+{
+  FILE *f = fopen (path, "rb");
+  uint8_t sbuf[BCH_SB_AREA_SIZE];
+  struct bch_sb sb;
+  size_t n = 0;
+  uint8_t *bucket;
+  uint64_t bbytes;
+
+  ck_assert_ptr_nonnull (f);
+  ck_assert_int_eq (fseek (f, BCH_SB_OFFSET, SEEK_SET), 0);
+  ck_assert_uint_eq (fread (sbuf, 1, sizeof sbuf, f), sizeof sbuf);
+  ck_assert_int_eq (bch_sb_decode (sbuf, sizeof sbuf, &sb, NULL), BCH_OK);
+  bbytes = bch_sb_bucket_sectors (&sb) << 9;
+  bucket = malloc (bbytes);
+  for (unsigned i = 0; i < sb.njournal_buckets; i++) {
+    ck_assert_int_eq (fseeko (f, (off_t) (sb.d[i] * bbytes), SEEK_SET), 0);
+    ck_assert_uint_eq (fread (bucket, 1, bbytes, f), bbytes);
+    for (uint64_t off = 0; off + BCH_JSET_HEADER_SIZE <= bbytes;
+         off += sb.block_size * 512u) {
+      struct bch_jset j;
+      if (bch_jset_decode (bucket + off, bbytes - off, bch_jset_magic (&sb),
+                           &j, NULL) == BCH_OK && n < max)
+        out[n++] = (struct jpos) { sb.d[i] * bbytes + off, j.seq };
+    }
+  }
+  free (bucket);
+  fclose (f);
+  return n;
+}
+
+static void
+corrupt_byte (const char *path, uint64_t off)
+{
+  FILE *f = fopen (path, "r+b");
+  int ch;
+
+  ck_assert_ptr_nonnull (f);
+  fseeko (f, (off_t) off, SEEK_SET);
+  ch = fgetc (f);
+  fseeko (f, (off_t) off, SEEK_SET);
+  fputc (ch ^ 0x5a, f);
+  fclose (f);
+}
+
+/* Leave a cache with several journal entries after its last checkpoint,
+ * as an unclean shutdown does. */
+static void
+unclean_cache (struct run *r)
+{
+  run_init (r, "journal.img", 16u << 20, 16);
+  rng_state = seed;
+  for (int i = 0; i < 6; i++) {
+    ck_assert (step_insert (r, (uint64_t) i * 16, 4));
+    ck_assert (step_flush (r));
+  }
+  bcf_cache_test_crash (r->c, 0, BCF_IO_CRASH_KEEP_ALL);
+  r->c = NULL;
+}
+
+static int
+cmp_seq (const void *a, const void *b)
+{
+  const struct jpos *x = a, *y = b;
+  return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+START_TEST (test_journal_torn_newest)
+{
+  struct run r;
+  struct jpos e[256];
+  size_t n;
+
+  unclean_cache (&r);
+  n = find_entries (r.path, e, 256);
+  ck_assert_uint_ge (n, 3);
+  qsort (e, n, sizeof *e, cmp_seq);
+  /* Tear the newest entry: it was never acknowledged, so it is dropped. */
+  corrupt_byte (r.path, e[n - 1].off + 100);
+  run_open (&r, BCF_FORMAT_NEVER, true);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  run_free (&r);
+}
+END_TEST
+
+START_TEST (test_journal_gap_refused)
+{
+  struct run r;
+  struct jpos e[256];
+  char err[512] = "";
+  size_t n;
+  int x;
+
+  unclean_cache (&r);
+  n = find_entries (r.path, e, 256);
+  ck_assert_uint_ge (n, 3);
+  qsort (e, n, sizeof *e, cmp_seq);
+  /* Damage an entry between last_seq and the newest: a gap. */
+  corrupt_byte (r.path, e[n - 2].off + 100);
+  r.opts.format = BCF_FORMAT_NEVER;
+  x = bcf_cache_open (&r.opts, &r.c, err, sizeof err);
+  ck_assert_msg (x < 0, "a journal with a gap was accepted");
+  ck_assert_msg (strstr (err, "missing") != NULL, "unexpected error: %s", err);
+  r.c = NULL;
+  run_free (&r);
+}
+END_TEST
+
+static void
+add (Suite *s, const char *name, const TTest *t)
+{
+  TCase *tc = tcase_create (name);
+  tcase_set_timeout (tc, 900);
+  tcase_add_test (tc, t);
+  suite_add_tcase (s, tc);
+}
+
+int
+main (void)
+{
+  const char *env = getenv ("TEST_SEED");
+  Suite *s = suite_create ("crash");
+  SRunner *sr;
+  int failed;
+
+  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
+  printf ("test-crash: seed=%u (set TEST_SEED to replay)\n", seed);
+  fflush (stdout);
+  snprintf (tmpdir, sizeof tmpdir, "/tmp/bcf-crash-XXXXXX");
+  if (!mkdtemp (tmpdir)) {
+    perror ("mkdtemp");
+    return 99;
+  }
+  add (s, "journal_torn_newest", test_journal_torn_newest);
+  add (s, "journal_gap_refused", test_journal_gap_refused);
+  add (s, "crash_inserts", test_crash_inserts);
+  add (s, "crash_fills", test_crash_fills);
+  add (s, "crash_eviction", test_crash_eviction);
+  sr = srunner_create (s);
+  srunner_run_all (sr, CK_NORMAL);
+  failed = srunner_ntests_failed (sr);
+  srunner_free (sr);
+  rmdir (tmpdir);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
