@@ -916,3 +916,45 @@ bch_uuid_parse (const char *s, uint8_t uuid[16])
   }
   return *s == '\0' ? 0 : -1;
 }
+
+/* ------------------------------------------------------------------------
+ * Journal buckets
+ * ------------------------------------------------------------------------ */
+
+enum bch_status
+bch_journal_bucket_walk (const void *bucket, size_t len, unsigned block_bytes,
+                         uint64_t jset_magic, bch_jset_cb cb, void *opaque,
+                         struct bch_diag *diag)
+{
+  const uint8_t *base = bucket;
+  size_t off = 0;
+
+  if (!is_power_of_2 (block_bytes) || block_bytes < BCH_SECTOR_SIZE)
+    return fail (diag, BCH_ERR_INVALID, "block size %u bytes is invalid",
+                 block_bytes);
+  if (len % block_bytes)
+    return fail (diag, BCH_ERR_INVALID,
+                 "journal bucket of %zu bytes is not a whole number of "
+                 "%u-byte blocks", len, block_bytes);
+
+  /* off is always a multiple of block_bytes, hence <= len; an accepted
+   * entry has bch_jset_bytes <= len - off, so its block-rounded size
+   * does not pass len either. */
+  while (len - off >= BCH_JSET_HEADER_SIZE) {
+    struct bch_jset j;
+    size_t bytes;
+
+    if (bch_jset_decode (base + off, len - off, jset_magic, &j, NULL)
+        != BCH_OK) {
+      off += block_bytes;       /* garbage, a torn entry or free space */
+      continue;
+    }
+    bytes = round_up (bch_jset_bytes (j.keys), block_bytes);
+    if (cb && cb (&j, off, bytes, opaque) != 0)
+      return fail (diag, BCH_ERR_INVALID,
+                   "journal entry seq %" PRIu64 " at byte %zu rejected by "
+                   "caller", j.seq, off);
+    off += bytes;
+  }
+  return ok (diag);
+}

@@ -384,49 +384,58 @@ cmp_jentry (const void *a, const void *b)
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
-/* Scan one journal bucket, appending every valid entry. */
+/* Scan one journal bucket (bch_journal_bucket_walk), keeping a copy of
+ * every valid entry. */
+struct scan_ctx {
+  unsigned bucket;
+  struct jentry **ents;
+  size_t *n, *cap;
+  int err;
+};
+
+static int
+keep_entry (const struct bch_jset *js, size_t offset, size_t bytes,
+            void *opaque)
+{
+  struct scan_ctx *s = opaque;
+  struct jentry *e;
+
+  if (*s->n == *s->cap) {
+    size_t nc = *s->cap ? *s->cap * 2 : 64;
+    void *p = realloc (*s->ents, nc * sizeof **s->ents);
+    if (!p)
+      return s->err = -ENOMEM;
+    *s->ents = p;
+    *s->cap = nc;
+  }
+  e = &(*s->ents)[*s->n];
+  *e = (struct jentry) {
+    .seq = js->seq, .bucket = s->bucket, .offset = offset, .len = bytes,
+    .hdr = *js, .keys = malloc (js->keys * 8 + 1),
+  };
+  if (!e->keys)
+    return s->err = -ENOMEM;
+  memcpy (e->keys, js->key_words, js->keys * 8);
+  e->hdr.key_words = NULL;
+  (*s->n)++;
+  return 0;
+}
+
 static int
 scan_bucket (struct bcf_cache *c, unsigned b, uint8_t *buf,
              struct jentry **ents, size_t *n, size_t *cap)
 {
-  const uint64_t magic = bch_jset_magic (&c->sb);
-  uint64_t off = 0;
+  struct scan_ctx s = { .bucket = b, .ents = ents, .n = n, .cap = cap };
   int r;
 
   r = bcf_io_pread (c->io, buf, c->bucket_bytes,
                     c->sb.d[b] * c->bucket_bytes);
   if (r < 0)
     return r;
-  while (off + BCH_JSET_HEADER_SIZE <= c->bucket_bytes) {
-    struct bch_jset js;
-    size_t len;
-
-    if (bch_jset_decode (buf + off, c->bucket_bytes - off, magic, &js, NULL)
-        != BCH_OK) {
-      off += c->block_bytes;    /* garbage, a torn entry or free space */
-      continue;
-    }
-    if (*n == *cap) {
-      size_t nc = *cap ? *cap * 2 : 64;
-      void *p = realloc (*ents, nc * sizeof **ents);
-      if (!p)
-        return -ENOMEM;
-      *ents = p;
-      *cap = nc;
-    }
-    len = bch_jset_bytes (js.keys);
-    len = (len + c->block_bytes - 1) / c->block_bytes * c->block_bytes;
-    (*ents)[*n] = (struct jentry) {
-      .seq = js.seq, .bucket = b, .offset = off, .len = len, .hdr = js,
-      .keys = malloc (js.keys * 8 + 1),
-    };
-    if (!(*ents)[*n].keys)
-      return -ENOMEM;
-    memcpy ((*ents)[*n].keys, js.key_words, js.keys * 8);
-    (*ents)[*n].hdr.key_words = NULL;
-    (*n)++;
-    off += len;
-  }
+  if (bch_journal_bucket_walk (buf, c->bucket_bytes, c->block_bytes,
+                               bch_jset_magic (&c->sb), keep_entry, &s, NULL)
+      != BCH_OK)
+    return s.err ? s.err : -EIO;
   return 0;
 }
 

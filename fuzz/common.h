@@ -161,4 +161,26 @@ fuzz_check_diag (enum bch_status st, const struct bch_diag *d)
 /* fuzz-uuid: 128 bytes uuid entry | NUL-free string for bch_uuid_parse */
 #define FUZZ_UUID_HDR           0u
 
+/* fuzz-journal: u8 flags | u8 block_shift (block = 512 << (v % 4)) |
+ *            u16 bucket_blocks (bucket = block * (1 + v % (64 KiB / block))) |
+ *            u8 stop_after (cb returns 1 at that entry if !0) |
+ *            u32 raw_block (block bytes with FUZZ_JOURNAL_RAW) |
+ *            u64 jset_magic | bucket bytes (cut or zero-padded to the
+ *            bucket; with FUZZ_JOURNAL_RAW taken as they are, <= 64 KiB) */
+#define FUZZ_JOURNAL_FIX_CSUM   0x01   /* reseal entries the walk would meet */
+#define FUZZ_JOURNAL_RAW        0x02   /* raw block size and length */
+#define FUZZ_JOURNAL_HDR        17u
+#define FUZZ_JOURNAL_MAX_BUCKET 65536u
+
+/* fuzz-prio-chain: u8 flags | u8 bucket_shift (bucket = 4 KiB << (v % 3)) |
+ *            u8 first_bucket | u32 nbuckets (taken modulo
+ *            66 * prios_per_bucket + 1) | u64 head | u64 pset_magic |
+ *            device bytes (cut to whole buckets, at most 64 KiB: the first
+ *            buckets of a cache of nbuckets buckets; the rest read as
+ *            zeroes) */
+#define FUZZ_PRIO_FIX_CSUM      0x01   /* reseal every stored bucket */
+#define FUZZ_PRIO_HDR           23u
+#define FUZZ_PRIO_MAX_DEVICE    65536u
+#define FUZZ_PRIO_MAX_CHAIN     66u    /* > the engine's 64-bucket limit */
+
 #endif /* BCACHEFILTER_FUZZ_COMMON_H */

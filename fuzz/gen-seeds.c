@@ -2,11 +2,12 @@
  *
  *   fuzz-gen-seeds OUTDIR
  *
- * creates OUTDIR/corpus-{sb,bkey,node,jset,pset,uuid}/ and writes valid
- * (and a few deliberately broken) structures into them, encoded with the
- * format.c encoders, each prefixed by the target's parameter header
- * (common.h).  Structures are kept small (512-byte blocks, 8 KiB prio
- * buckets) so the fuzzers stay fast.
+ * creates OUTDIR/corpus-{sb,bkey,node,jset,pset,uuid,journal,prio-chain}/
+ * and writes valid (and a few deliberately broken) structures into them,
+ * encoded with the format.c encoders, each prefixed by the target's
+ * parameter header (common.h).  Structures are kept small (512-byte
+ * blocks, 8 KiB prio buckets, journal buckets and prio "devices" of at
+ * most 64 KiB) so the fuzzers stay fast.
  */
 #include <config.h>
 
@@ -38,6 +39,22 @@ static void
 put8 (struct out *o, uint8_t v)
 {
   put (o, &v, 1);
+}
+
+static void
+put16 (struct out *o, uint16_t v)
+{
+  uint8_t b[2];
+  bch_put_le16 (b, v);
+  put (o, b, 2);
+}
+
+static void
+put32 (struct out *o, uint32_t v)
+{
+  uint8_t b[4];
+  bch_put_le32 (b, v);
+  put (o, b, 4);
 }
 
 static void
@@ -538,6 +555,270 @@ uuid_seeds (void)
   uuid_seed ("invalidated", &u, "a13b7b6bcd5e4b4f9d276c2e4b4b0001");
 }
 
+/* ------------------------------------------------------------------------
+ * Whole journal buckets (fuzz-journal)
+ * ------------------------------------------------------------------------ */
+
+/* A journal entry of `words` recognisable key words at buf + off. */
+static size_t
+journal_put (uint8_t *buf, size_t off, size_t room, uint64_t seq,
+             uint32_t words)
+{
+  struct bch_sb sb;
+  struct bch_jset j;
+
+  make_sb (&sb, G_BUCKET);
+  memset (&j, 0, sizeof j);
+  j.magic = bch_jset_magic (&sb);
+  j.seq = seq;
+  j.version = BCACHE_JSET_VERSION;
+  j.keys = words;
+  j.last_seq = seq > 2 ? seq - 2 : 0;
+  bkey_init (&j.uuid_bucket.key, 0, 0, G_BUCKET);
+  SET_KEY_PTRS (&j.uuid_bucket.key, 1);
+  j.uuid_bucket.key.ptr[0] = MAKE_PTR (1, 20 * G_BUCKET, 0);
+  bkey_max (&j.btree_root.key);
+  SET_KEY_SIZE (&j.btree_root.key, G_BUCKET);
+  SET_KEY_PTRS (&j.btree_root.key, 1);
+  j.btree_root.key.ptr[0] = MAKE_PTR (1, 21 * G_BUCKET, 0);
+  j.prio_bucket[0] = 19;
+  /* Journalled keys: dirty one-pointer extents (3 words each). */
+  for (uint32_t w = 0; w + 3 <= words; w += 3) {
+    struct bkey_padded k;
+    make_extent (&k, 1, 8 * (seq * 100 + w + 1), 8, 30 + w % 50, 0, 1, true);
+    bkey_encode (&k.key, buf + off + BCH_JSET_HEADER_SIZE + 8 * w, 24);
+  }
+  for (uint32_t w = words / 3 * 3; w < words; w++)
+    bch_put_le64 (buf + off + BCH_JSET_HEADER_SIZE + 8 * w, 0);
+  size_t n = bch_jset_encode (&j, buf + off, room);
+  if (n == 0) {
+    fprintf (stderr, "gen-seeds: bch_jset_encode failed\n");
+    exit (EXIT_FAILURE);
+  }
+  return n;
+}
+
+static void
+journal_seed (const char *name, uint8_t flags, unsigned block_shift,
+              unsigned bucket_bytes, uint8_t stop_after, uint32_t raw_block,
+              const uint8_t *bucket, size_t len)
+{
+  struct bch_sb sb;
+  unsigned block = 512u << block_shift;
+  struct out o = { 0 };
+
+  make_sb (&sb, G_BUCKET);
+  put8 (&o, flags);
+  put8 (&o, (uint8_t) block_shift);
+  put16 (&o, (uint16_t) (bucket_bytes / block - 1));
+  put8 (&o, stop_after);
+  put32 (&o, raw_block);
+  put64 (&o, bch_jset_magic (&sb));
+  put (&o, bucket, len);
+  seed ("journal", name, &o);
+}
+
+static void
+journal_seeds (void)
+{
+  static uint8_t b[FUZZ_JOURNAL_MAX_BUCKET];
+  size_t off;
+
+  /* 16 KiB bucket, 512-byte blocks: entries of 1, 2 and 3 blocks, garbage,
+   * a torn entry, then free space. */
+  memset (b, 0, sizeof b);
+  off = 0;
+  off += (journal_put (b, off, 16384 - off, 10, 0) + 511) / 512 * 512;
+  off += (journal_put (b, off, 16384 - off, 11, 60) + 511) / 512 * 512;
+  for (unsigned i = 0; i < 512; i++)
+    b[off + i] = (uint8_t) (i * 37 + 5);                 /* garbage block */
+  off += 512;
+  size_t torn = off;
+  off += (journal_put (b, off, 16384 - off, 12, 150) + 511) / 512 * 512;
+  b[torn + 700] ^= 0x04;                                /* bad csum */
+  off += (journal_put (b, off, 16384 - off, 13, 3) + 511) / 512 * 512;
+  journal_seed ("mixed-512", 0, 0, 16384, 0, 0, b, 16384);
+  journal_seed ("mixed-512-stop", 0, 0, 16384, 2, 0, b, 16384);
+  /* The same with the torn entry resealed by the harness. */
+  journal_seed ("mixed-512-fix-csum", FUZZ_JOURNAL_FIX_CSUM, 0, 16384, 0, 0,
+                b, 16384);
+  /* Raw: a ragged length, and a bad block size. */
+  journal_seed ("raw-ragged", FUZZ_JOURNAL_RAW, 0, 16384, 0, 512, b, 16000);
+  journal_seed ("raw-bad-block", FUZZ_JOURNAL_RAW, 0, 16384, 0, 1536, b,
+                16384);
+  journal_seed ("raw-ok", FUZZ_JOURNAL_RAW, 0, 16384, 0, 1024, b, 16384);
+
+  /* 64 KiB bucket, 4 KiB blocks, seqs out of order, one entry that claims
+   * to run past the end of the bucket. */
+  memset (b, 0, sizeof b);
+  static const uint64_t seqs[] = { 700, 701, 702, 650, 651 };
+  off = 0;
+  for (unsigned i = 0; i < 5; i++)
+    off += (journal_put (b, off, sizeof b - off, seqs[i], 30 * i) + 4095)
+           / 4096 * 4096;
+  journal_put (b, 15 * 4096, 4096, 703, (4096 - BCH_JSET_HEADER_SIZE) / 8);
+  bch_put_le32 (b + 15 * 4096 + 28, (4096 - BCH_JSET_HEADER_SIZE) / 8 + 1);
+  journal_seed ("out-of-order-4k", 0, 3, sizeof b, 0, 0, b, sizeof b);
+
+  /* A bucket full of one 32 KiB entry and 8 KiB of others, 1 KiB blocks. */
+  memset (b, 0, sizeof b);
+  off = journal_put (b, 0, sizeof b, 900,
+                     (BCH_JSET_MAX_BYTES - BCH_JSET_HEADER_SIZE) / 8);
+  journal_put (b, off, 1024, 901, 1);
+  journal_put (b, off + 1024, 1024, 902, 2);
+  journal_seed ("max-entry-1k", 0, 1, 40960, 0, 0, b, 40960);
+
+  /* An entry hiding another in its key words at a block boundary: the
+   * walk must jump past the outer one and never report the inner one. */
+  memset (b, 0, sizeof b);
+  off = journal_put (b, 0, sizeof b, 950, 200);         /* 4 blocks of 512 */
+  {
+    uint8_t inner[512];
+    memset (inner, 0, sizeof inner);
+    journal_put (inner, 0, sizeof inner, 951, 0);
+    memcpy (b + 1024, inner, BCH_JSET_HEADER_SIZE);
+    bch_put_le64 (b, bch_jset_csum (b, sizeof b));      /* reseal outer */
+  }
+  journal_put (b, 2048, 512, 952, 1);
+  journal_seed ("nested-512", 0, 0, 4096, 0, 0, b, 4096);
+
+  /* An empty bucket (free space) of 8 KiB, 2 KiB blocks. */
+  memset (b, 0, sizeof b);
+  journal_seed ("empty-2k", 0, 2, 8192, 0, 0, b, 8192);
+}
+
+/* ------------------------------------------------------------------------
+ * Whole prio chains (fuzz-prio-chain)
+ * ------------------------------------------------------------------------ */
+
+/* Write a device of ndev buckets of bb bytes holding the chain links[0]
+ * -> links[1] -> ... (nlinks buckets, the last pointing at `last_next`),
+ * each bucket's entries a recognisable pattern for its segment.  Returns
+ * the device bytes (len ndev * bb). */
+static uint8_t *
+prio_device (size_t bb, unsigned ndev, const uint64_t *links, unsigned nlinks,
+             uint64_t last_next, uint64_t seq)
+{
+  struct bch_sb sb;
+  uint8_t *dev = calloc (ndev, bb);
+  uint64_t per = bch_prios_per_bucket (bb);
+  struct bch_bucket_disk *e = calloc (per, sizeof *e);
+
+  if (!dev || !e) abort ();
+  make_sb (&sb, (uint16_t) (bb / BCH_SECTOR_SIZE));
+  for (unsigned i = 0; i < nlinks; i++) {
+    struct bch_pset_hdr h;
+    memset (&h, 0, sizeof h);
+    h.magic = bch_pset_magic (&sb);
+    h.seq = seq;
+    h.next_bucket = i + 1 < nlinks ? links[i + 1] : last_next;
+    for (uint64_t j = 0; j < per; j++) {
+      e[j].prio = (uint16_t) (j % 5 == 0 ? BCH_BTREE_PRIO
+                                         : BCH_INITIAL_PRIO - (j + i) % 1000);
+      e[j].gen = (uint8_t) (1 + (j * 7 + i) % 200);
+    }
+    if (links[i] < ndev)
+      bch_pset_encode (&h, e, per, dev + links[i] * bb, bb);
+  }
+  free (e);
+  return dev;
+}
+
+static void
+prio_chain_seed (const char *name, uint8_t flags, unsigned bucket_shift,
+                 uint8_t first_bucket, uint32_t nbuckets, uint64_t head,
+                 const uint8_t *dev, size_t len)
+{
+  struct bch_sb sb;
+  size_t bb = (size_t) 4096 << bucket_shift;
+  struct out o = { 0 };
+
+  make_sb (&sb, (uint16_t) (bb / BCH_SECTOR_SIZE));
+  put8 (&o, flags);
+  put8 (&o, (uint8_t) bucket_shift);
+  put8 (&o, first_bucket);
+  put32 (&o, nbuckets);
+  put64 (&o, head);
+  put64 (&o, bch_pset_magic (&sb));
+  put (&o, dev, len);
+  seed ("prio-chain", name, &o);
+}
+
+static void
+prio_chain_seeds (void)
+{
+  uint8_t *dev;
+  const uint64_t per4 = bch_prios_per_bucket (4096);
+  const uint64_t per16 = bch_prios_per_bucket (16384);
+
+  /* 4 KiB buckets, 16 on the device: a chain of 3 (2 -> 5 -> 3) for a
+   * cache of 3 * per - 100 buckets (the last prio bucket partly used). */
+  {
+    static const uint64_t l[] = { 2, 5, 3 };
+    dev = prio_device (4096, 16, l, 3, 0, 77);
+    prio_chain_seed ("chain-3", 0, 0, 1, (uint32_t) (3 * per4 - 100), 2, dev,
+                     16 * 4096);
+    /* Stale checksums, resealed by the harness. */
+    dev[2 * 4096 + 100] ^= 0x08;
+    prio_chain_seed ("chain-3-fix-csum", FUZZ_PRIO_FIX_CSUM, 0, 1,
+                     (uint32_t) (3 * per4 - 100), 2, dev, 16 * 4096);
+    /* Head before first_bucket. */
+    dev[2 * 4096 + 100] ^= 0x08;
+    prio_chain_seed ("head-below-first", 0, 0, 3, (uint32_t) (3 * per4), 2,
+                     dev, 16 * 4096);
+    free (dev);
+    /* A cache one prio bucket bigger, the last link pointing past the
+     * stored buckets (a hole that reads as zeroes). */
+    dev = prio_device (4096, 16, l, 3, 100, 77);
+    prio_chain_seed ("chain-into-hole", 0, 0, 1, (uint32_t) (4 * per4), 2,
+                     dev, 16 * 4096);
+    free (dev);
+  }
+
+  /* A cycle 4 -> 6 -> 4 in a cache that needs 5 prio buckets. */
+  {
+    static const uint64_t l[] = { 4, 6 };
+    dev = prio_device (4096, 16, l, 2, 4, 78);
+    prio_chain_seed ("cycle", 0, 0, 1, (uint32_t) (5 * per4), 4, dev,
+                     16 * 4096);
+    free (dev);
+  }
+
+  /* A next pointer far outside the cache. */
+  {
+    static const uint64_t l[] = { 1, 2 };
+    dev = prio_device (8192, 8, l, 2, 0, 79);
+    bch_pset_encode (&(struct bch_pset_hdr) {
+                       .magic = bch_get_le64 (dev + 8192 + 8), .seq = 79,
+                       .next_bucket = 1ull << 40 },
+                     NULL, 0, dev + 8192, 8192);
+    prio_chain_seed ("next-out-of-range", 0, 1, 1,
+                     (uint32_t) (3 * bch_prios_per_bucket (8192)), 1, dev,
+                     8 * 8192);
+    free (dev);
+  }
+
+  /* 16 KiB buckets: one prio bucket for a small cache, and a chain of 4
+   * using every stored bucket but 0. */
+  {
+    static const uint64_t l1[] = { 1 };
+    dev = prio_device (16384, 2, l1, 1, 0, 80);
+    prio_chain_seed ("single-16k", 0, 2, 1, 1000, 1, dev, 2 * 16384);
+    free (dev);
+    static const uint64_t l4[] = { 3, 1, 2, 0 };
+    dev = prio_device (16384, 4, l4, 4, 0, 81);
+    prio_chain_seed ("chain-4-16k", 0, 2, 0, (uint32_t) (4 * per16), 3, dev,
+                     4 * 16384);
+    free (dev);
+  }
+
+  /* No buckets at all (nbuckets 0): nothing is read. */
+  dev = calloc (1, 4096);
+  if (!dev) abort ();
+  prio_chain_seed ("empty-cache", 0, 0, 1, 0, 0, dev, 4096);
+  free (dev);
+}
+
 int
 main (int argc, char **argv)
 {
@@ -552,6 +833,8 @@ main (int argc, char **argv)
   jset_seeds ();
   pset_seeds ();
   uuid_seeds ();
+  journal_seeds ();
+  prio_chain_seeds ();
   printf ("gen-seeds: wrote %u seeds under %s\n", nseeds, outdir);
   return EXIT_SUCCESS;
 }

@@ -468,6 +468,28 @@ enum bch_status bch_jset_decode (const void *buf, size_t len,
                                  uint64_t jset_magic, struct bch_jset *j,
                                  struct bch_diag *diag);
 
+/* Walk a whole journal bucket (len bytes) block by block, as the engine's
+ * journal read does (core/journal.c, scan_bucket): at each offset where a
+ * 240-byte header still fits, an entry that bch_jset_decode accepts (with
+ * len - offset bytes available) is passed to cb with its byte offset and
+ * its size rounded up to block_bytes, and the walk resumes just past it;
+ * anything else (garbage, a torn entry with a bad checksum, free space,
+ * an entry claiming to run past the bucket) is skipped one block at a
+ * time.  Entries are reported in bucket order, whatever their seq; they
+ * are block aligned, lie inside the bucket and do not overlap.  j and its
+ * key_words (pointing into the bucket) are valid only during the call.
+ * Never reads outside [bucket, bucket + len).  block_bytes must be a
+ * power of two >= 512 and len a multiple of it (0 is an empty bucket),
+ * else BCH_ERR_INVALID before anything is read.  A non-zero return from
+ * cb stops the walk and is returned as BCH_ERR_INVALID.  A bucket with no
+ * valid entry is BCH_OK with no call. */
+typedef int (*bch_jset_cb) (const struct bch_jset *j, size_t offset,
+                            size_t bytes, void *opaque);
+enum bch_status bch_journal_bucket_walk (const void *bucket, size_t len,
+                                         unsigned block_bytes,
+                                         uint64_t jset_magic, bch_jset_cb cb,
+                                         void *opaque, struct bch_diag *diag);
+
 /* ------------------------------------------------------------------------
  * struct prio_set: 40-byte header, then {prio u16, gen u8} per bucket
  * ------------------------------------------------------------------------ */
