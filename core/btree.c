@@ -459,6 +459,27 @@ btree_visit (struct bcf_cache *c, btree_visit_fn fn, void *opaque)
   return c->tree.root ? visit (c, c->tree.root, fn, opaque) : 0;
 }
 
+static int
+add_dirty_sectors (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  uint64_t *sectors = opaque;
+
+  if (n->level == 0)
+    for (size_t i = 0; i < n->keys.nr; i++)
+      if (ckey_dirty (&n->keys.k[i]) && !ptr_stale (c, n->keys.k[i].ptr))
+        *sectors += ckey_size (&n->keys.k[i]);
+  return 0;
+}
+
+uint64_t
+btree_dirty_sectors (struct bcf_cache *c)
+{
+  uint64_t sectors = 0;
+
+  btree_visit (c, add_dirty_sectors, &sectors);
+  return sectors;
+}
+
 /* ---- reading nodes ----------------------------------------------------------- */
 
 struct load_ctx {
@@ -854,7 +875,8 @@ btree_checkpoint (struct bcf_cache *c)
 
   /* Phase 2: data first, then nodes level by level, each level flushed
    * before its parents are written. */
-  qsort (ck.w, ck.nw, sizeof *ck.w, cmp_level);
+  if (ck.nw)
+    qsort (ck.w, ck.nw, sizeof *ck.w, cmp_level);
   r = bcf_io_flush (c->io);
   for (i = 0; i < ck.nw && r == 0; i = j) {
     struct bcf_io_seg segs[64];

@@ -653,6 +653,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   alloc_count (c, &st->buckets_free, &st->buckets_clean, &st->buckets_dirty,
                &st->buckets_meta);
   pthread_rwlock_rdlock (&c->tree_lock);
+  st->dirty_sectors = btree_dirty_sectors (c);
   st->btree_nodes = c->tree.nnodes;
   st->btree_depth = c->tree.root ? c->tree.root->level + 1 : 0;
   st->btree_keys = c->tree.nkeys;

@@ -213,6 +213,8 @@ struct btree_node *btree_child (struct bcf_cache *c, const struct ckey *k);
 typedef int (*btree_visit_fn) (struct bcf_cache *c, struct btree_node *n,
                                void *opaque);
 int btree_visit (struct bcf_cache *c, btree_visit_fn fn, void *opaque);
+/* Sectors of live dirty data (under tree_lock). */
+uint64_t btree_dirty_sectors (struct bcf_cache *c);
 /* The checkpoint: write every dirty node and commit a new root through
  * the journal (caller holds ckpt_lock, no other lock). */
 int btree_checkpoint (struct bcf_cache *c);

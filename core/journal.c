@@ -453,8 +453,13 @@ replay_keys (struct bcf_cache *c, const struct jentry *e,
     struct bch_diag d;
     int r;
 
+    const struct bch_key_geometry geo = {
+      .nbuckets = c->sb.nbuckets, .bucket_sectors = c->bucket_sectors,
+      .first_bucket = c->sb.first_bucket, .nr_in_set = 1,
+    };
+
     if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, &d) != BCH_OK ||
-        bkey_validate (&b.key, e->hdr.keys - w, 0, NULL, &d) != BCH_OK) {
+        bkey_validate (&b.key, e->hdr.keys - w, 0, &geo, &d) != BCH_OK) {
       snprintf (err, errlen, "journal entry %" PRIu64 ": bad key: %s",
                 e->seq, d.msg);
       return -EUCLEAN;

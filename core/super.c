@@ -13,9 +13,9 @@
  *   anything else              refused (policy force overwrites it)
  *
  * First registration (also the second half of a format): journal buckets
- * = clamp(nbuckets >> 7, 2, 256) at first_bucket + i; every other bucket
- * gets gen 1 and goes on the free lists; prios and gens are written; a
- * uuid bucket records the backing export (slot 0: its uuid, label and
+ * = clamp(nbuckets >> 7, 2, 256) at first_bucket + i (with a floor, see
+ * journal_buckets_for); free lists are filled from the other buckets,
+ * their gens bumped to 1; prios and gens are written; a uuid bucket records the backing export (slot 0: its uuid, label and
  * size in sectors); an empty root leaf (key MAX_KEY) is written; journal
  * entries commit root, uuid and prio pointers; LAST, the superblock is
  * rewritten as version 3 with CACHE_SYNC and d[] filled in.  Until that
@@ -86,6 +86,27 @@ set_geometry (struct bcf_cache *c)
   c->bucket_bytes = c->bucket_sectors << BCH_SECTOR_SHIFT;
   c->block_bytes = (unsigned) c->sb.block_size << BCH_SECTOR_SHIFT;
   c->set_magic = bch_set_magic (&c->sb);
+}
+
+/* A device is blank only if nothing else's signature is there either:
+ * btrfs keeps its superblock at 64 KiB, md and GPT keep copies at the
+ * end.  Look at the first and the last MiB. */
+static bool
+edges_zero (struct bcf_cache *c)
+{
+  const uint64_t size = bcf_io_size (c->io);
+  const size_t span = 1 << 20;
+  uint8_t *buf = bcf_buf_alloc (span);
+  bool zero = buf != NULL;
+
+  for (int i = 0; i < 2 && zero; i++) {
+    uint64_t off = i == 0 ? 0 : size > span ? size - span : 0;
+    size_t len = size < span ? (size_t) size / 4096 * 4096 : span;
+    zero = bcf_io_pread (c->io, buf, len, off) == 0 && all_zero (buf, len);
+  }
+  if (buf)
+    bcf_buf_free (buf, span);
+  return zero;
 }
 
 static int
@@ -341,18 +362,6 @@ replay_one (struct bcf_cache *c, const struct ckey *k, void *opaque)
   return r;
 }
 
-struct dirty_ctx { uint64_t sectors; };
-static int
-count_dirty (struct bcf_cache *c, struct btree_node *n, void *opaque)
-{
-  struct dirty_ctx *d = opaque;
-  if (n->level == 0)
-    for (size_t i = 0; i < n->keys.nr; i++)
-      if (ckey_dirty (&n->keys.k[i]) && !ptr_stale (c, n->keys.k[i].ptr))
-        d->sectors += ckey_size (&n->keys.k[i]);
-  return 0;
-}
-
 static int
 open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 {
@@ -410,17 +419,16 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
       (memcmp (u.uuid, c->opts.backing_uuid, 16) != 0 ||
        u.sectors != c->backing_sectors)) {
     char have[37], want[37];
-    struct dirty_ctx dc = { 0 };
+    uint64_t dirty = btree_dirty_sectors (c);
 
     bch_uuid_unparse (u.uuid, have);
     bch_uuid_unparse (c->opts.backing_uuid, want);
-    btree_visit (c, count_dirty, &dc);
-    if (!c->opts.discard_foreign || dc.sectors) {
+    if (!c->opts.discard_foreign || dirty) {
       snprintf (err, errlen, "%s caches another export (uuid %s, %" PRIu64
                 " bytes), not this one (uuid %s, %" PRIu64 " bytes)%s",
                 bcf_io_path (c->io), have, u.sectors << BCH_SECTOR_SHIFT,
                 want, c->backing_sectors << BCH_SECTOR_SHIFT,
-                dc.sectors ? "; it holds dirty data that exists nowhere "
+                dirty ? "; it holds dirty data that exists nowhere "
                 "else, so it is never discarded: attach it to its own "
                 "export first" : "; to discard its contents and reuse it "
                 "for this export, ask for that explicitly");
@@ -503,7 +511,7 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
     return r;
   }
-  blank = all_zero (buf, 2 * BCH_SB_AREA_SIZE);
+  blank = all_zero (buf, 2 * BCH_SB_AREA_SIZE) && edges_zero (c);
   st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &c->sb, &d);
   if (st == BCH_OK)
     st = bch_sb_validate (&c->sb, dev_sectors, &d);
