@@ -11,11 +11,28 @@
  *      nbuckets * bucket_size, then bch_sb_validate.  Every failure is
  *      reported once, on stderr, as "bcachefilter-show: DEVICE: reason",
  *      and mapped to a distinct exit status (below).
- *   3. a mode:       show something about the device.  Only the
- *      superblock mode exists so far; a mode is just a function called
- *      with the loaded device (struct device), so new modes (journal,
- *      btree, buckets, fsck) are added by writing another function and an
- *      option selecting it.
+ *   3. a mode:       show something about the device.  A mode is a
+ *      function called with the loaded device (struct device), selected
+ *      by an option:
+ *        (default)   the superblock, as bcache-super-show shows it and
+ *                    more (sb_view, rendered as text or JSON);
+ *        --journal   the journal buckets d[], decoded directly with
+ *                    format.h: each bucket read whole and walked block by
+ *                    block with bch_jset_decode, as the engine's journal
+ *                    read does; the entries last_seq..newest must all be
+ *                    there (the engine refuses to open a cache otherwise);
+ *        --btree     the btree, through the engine: a read-only
+ *                    bcf_cache_open (which reads and checks the journal,
+ *                    prios, uuids and every node, and replays the journal
+ *                    in memory), then btree_visit;
+ *        --buckets   bcache's priority_stats from the engine's bucket
+ *                    array after that open (which runs the initial mark);
+ *        --fsck      the open itself (every checksum, the journal's
+ *                    continuity, every key) plus bcf_cache_fsck.
+ *      The engine modes reach into core/engine.h (struct bcf_cache, its
+ *      nodes and buckets): this tool is built with the engine and reads
+ *      its state after a single-threaded, read-only open, so no lock is
+ *      contended.  A read-only open never writes the device.
  *
  * The superblock mode first computes everything it shows into a
  * struct sb_view (raw fields, checksum comparison, derived magics and
@@ -25,19 +42,28 @@
  * by line; extra information follows in further sections.
  *
  * Everything read from the device is untrusted: all decoding goes through
- * core/format.c, and the derived values guard against zero and
- * overflowing sizes so that --force can print any superblock.
+ * core/format.c (or the engine, which uses it), and the derived values
+ * guard against zero and overflowing sizes so that --force can print any
+ * superblock.
  *
  * Exit status (also in bcachefilter-show(1)):
- *   0  the superblock is a valid cache superblock
+ *   0  the superblock is a valid cache superblock (and the mode found
+ *      nothing wrong)
  *   1  usage error, or the device cannot be opened, sized or read
  *   2  not a bcache device (no bcache magic at byte 4096)
  *   3  a bcache backing device, not a cache device
  *   4  truncated: smaller than 8 KiB, or than nbuckets * bucket_size
  *   5  bad superblock checksum
- *   6  unsupported superblock version or feature bits
- *   7  another superblock field is invalid
- * With --force, statuses 5 to 7 still print what was decoded (and still
+ *   6  unsupported superblock version or feature bits (or, in the engine
+ *      modes, a cache the engine cannot use: several devices in the set)
+ *   7  another superblock field is invalid; in the other modes, corrupt
+ *      metadata: a gap in the journal, no valid journal entry, a bad
+ *      checksum in a prio bucket or btree node, an invalid key...
+ *   8  --fsck found inconsistencies (listed on standard output)
+ *   9  the journal, btree and buckets modes only: the device was made by
+ *      make-bcache -C and never registered, so it has no journal, btree
+ *      or prios yet
+ * With --force, statuses 5 to 7 still print the superblock (and still
  * exit with that status).
  */
 
@@ -59,7 +85,9 @@
 #include <sys/stat.h>
 #include <linux/fs.h>
 
+#include "bcachefilter/cache.h"
 #include "bcachefilter/format.h"
+#include "engine.h"
 
 #define PROGRAM_NAME "bcachefilter-show"
 
@@ -72,7 +100,9 @@ enum {
   EXIT_TRUNCATED   = 4,
   EXIT_CSUM        = 5,
   EXIT_UNSUPPORTED = 6,
-  EXIT_INVALID     = 7,
+  EXIT_INVALID     = 7,     /* also: corrupt metadata (engine modes) */
+  EXIT_FSCK        = 8,     /* --fsck found problems */
+  EXIT_NOT_INIT    = 9,     /* never registered: no journal / btree yet */
 };
 
 /* The smallest device that can hold a superblock: 4 KiB unused, then
@@ -966,19 +996,1021 @@ show_super_json (const struct sb_view *v)
 }
 
 /* ------------------------------------------------------------------------
- * Modes and main
+ * Helpers shared by the journal and engine modes
  * ------------------------------------------------------------------------ */
 
 struct options {
   bool json;
   bool force;
+  bool verbose;
   const char *path;
+  const char *mode_option;      /* "--journal" ..., NULL: superblock */
   /* The mode: shows something about a device whose superblock was
    * loaded with status load_status (EXIT_OK, or >= EXIT_CSUM with
    * --force).  Returns the exit status. */
   int (*mode) (const struct options *, const struct device *,
                int load_status);
 };
+
+static int
+finish_output (void)
+{
+  if (fflush (stdout) == EOF || ferror (stdout)) {
+    fprintf (stderr, "%s: error writing output: %m\n", PROGRAM_NAME);
+    return EXIT_ERROR;
+  }
+  return EXIT_OK;
+}
+
+/* The first of two statuses that is an error. */
+static int
+worst (int output_status, int status)
+{
+  return status != EXIT_OK ? status : output_status;
+}
+
+/* A device made by make-bcache -C that was never registered has no
+ * journal, btree or prios to show. */
+static int
+not_initialised (const struct device *dev)
+{
+  device_error (dev->path, "made by make-bcache -C but never registered "
+                "(CACHE_SYNC is clear): it has no journal, btree or prios "
+                "yet; bcachefilter-format or the bcachefilter filter "
+                "initialises it");
+  return EXIT_NOT_INIT;
+}
+
+/* "inode:offset", or "max" for the greatest key. */
+static void
+pos_string (uint64_t inode, uint64_t offset, char *buf, size_t len)
+{
+  if (inode == BKEY_MAX_INODE && offset == BKEY_MAX_OFFSET)
+    snprintf (buf, len, "max");
+  else
+    snprintf (buf, len, "%" PRIu64 ":%" PRIu64, inode, offset);
+}
+
+/* Is the key's (first) pointer a data pointer whose bucket has moved on
+ * to a newer gen?  Needs the engine's bucket array. */
+static bool
+key_stale (struct bcf_cache *c, const struct bkey *k)
+{
+  return c && KEY_PTRS (k) >= 1 && bch_ptr_is_data (k->ptr[0]) &&
+         PTR_DEV (k->ptr[0]) == 0 && ptr_stale (c, k->ptr[0]);
+}
+
+/* A key as text.  Leaves: "inode:start+size -> dev:offset gen G" and the
+ * words dirty, check, stale; interior nodes: "child inode:offset ->
+ * dev:offset gen G (bucket B)". */
+static void
+text_key (const struct bkey *k, unsigned level, struct bcf_cache *c,
+          uint64_t bucket_sectors)
+{
+  char pos[48];
+
+  if (level == 0)
+    printf ("%" PRIu64 ":%" PRIu64 "+%" PRIu64, KEY_INODE (k), KEY_START (k),
+            KEY_SIZE (k));
+  else {
+    pos_string (KEY_INODE (k), KEY_OFFSET (k), pos, sizeof pos);
+    printf ("child %s", pos);
+  }
+  fputs (" ->", stdout);
+  if (KEY_PTRS (k) == 0)
+    fputs (" none", stdout);
+  for (unsigned i = 0; i < KEY_PTRS (k); i++) {
+    const uint64_t p = k->ptr[i];
+
+    printf ("%s %" PRIu64 ":%" PRIu64 " gen %u", i ? "," : "", PTR_DEV (p),
+            PTR_OFFSET (p), PTR_GEN (p));
+    if (level > 0 && bucket_sectors)
+      printf (" (bucket %" PRIu64 ")", PTR_OFFSET (p) / bucket_sectors);
+  }
+  if (KEY_DIRTY (k))
+    fputs (" dirty", stdout);
+  if (bkey_is_check (k))
+    fputs (" check", stdout);
+  if (key_stale (c, k))
+    fputs (" stale", stdout);
+  putchar ('\n');
+}
+
+static void
+json_ptr (struct json *j, const char *key, uint64_t p, uint64_t bucket_sectors)
+{
+  json_open (j, key, '{');
+  json_u64 (j, "dev", PTR_DEV (p));
+  json_u64 (j, "offset", PTR_OFFSET (p));
+  json_u64 (j, "gen", PTR_GEN (p));
+  if (bucket_sectors)
+    json_u64 (j, "bucket", PTR_OFFSET (p) / bucket_sectors);
+  json_close (j, '}');
+}
+
+static void
+json_bkey (struct json *j, const struct bkey *k, unsigned level,
+           struct bcf_cache *c, uint64_t bucket_sectors)
+{
+  json_open (j, NULL, '{');
+  json_u64 (j, "inode", KEY_INODE (k));
+  json_u64 (j, "offset", KEY_OFFSET (k));
+  json_u64 (j, "size", KEY_SIZE (k));
+  if (level == 0)
+    json_u64 (j, "start", KEY_START (k));
+  json_bool (j, "dirty", KEY_DIRTY (k));
+  json_bool (j, "check", bkey_is_check (k));
+  if (c)
+    json_bool (j, "stale", key_stale (c, k));
+  json_open (j, "ptrs", '[');
+  for (unsigned i = 0; i < KEY_PTRS (k); i++)
+    json_ptr (j, NULL, k->ptr[i], bucket_sectors);
+  json_close (j, ']');
+  json_close (j, '}');
+}
+
+/* ------------------------------------------------------------------------
+ * --journal: the journal buckets, decoded directly
+ * ------------------------------------------------------------------------ */
+
+/* One valid entry, or a block that carries the jset magic but does not
+ * decode (bad checksum, torn...). */
+struct jitem {
+  bool bad;
+  unsigned index;               /* in d[] */
+  uint64_t bucket;
+  size_t offset, bytes;
+  struct bch_jset hdr;          /* hdr.key_words is NULL: see words */
+  uint64_t *words;              /* copy of the key words (little-endian) */
+  unsigned nkeys;
+  char msg[320];                /* bad: why; else a bad key, or "" */
+};
+
+struct jscan {
+  struct jitem *it;
+  size_t n, cap;
+};
+
+static struct jitem *
+jscan_add (struct jscan *s)
+{
+  if (s->n == s->cap) {
+    size_t nc = s->cap ? 2 * s->cap : 64;
+    struct jitem *p = realloc (s->it, nc * sizeof *p);
+
+    if (!p)
+      return NULL;
+    s->it = p;
+    s->cap = nc;
+  }
+  memset (&s->it[s->n], 0, sizeof s->it[s->n]);
+  return &s->it[s->n++];
+}
+
+static void
+jscan_free (struct jscan *s)
+{
+  for (size_t i = 0; i < s->n; i++)
+    free (s->it[i].words);
+  free (s->it);
+}
+
+/* Count and check the keys of an entry (as the engine's replay does). */
+static void
+jitem_keys (struct jitem *e, const struct bch_key_geometry *geo)
+{
+  const uint8_t *p = (const uint8_t *) e->words;
+  size_t w = 0;
+
+  while (w < e->hdr.keys) {
+    struct bkey_padded b;
+    struct bch_diag d;
+
+    if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, &d) != BCH_OK ||
+        bkey_validate (&b.key, e->hdr.keys - w, 0, geo, &d) != BCH_OK) {
+      snprintf (e->msg, sizeof e->msg, "bad key at word %zu: %s", w, d.msg);
+      return;
+    }
+    w += bkey_u64s (&b.key);
+    e->nkeys++;
+  }
+}
+
+/* Walk one journal bucket block by block. */
+static int
+scan_journal_bucket (struct jscan *s, unsigned index, uint64_t bucket,
+                     const uint8_t *buf, size_t len, size_t block,
+                     uint64_t magic, const struct bch_key_geometry *geo)
+{
+  size_t off = 0;
+
+  while (off + BCH_JSET_HEADER_SIZE <= len) {
+    struct bch_jset j;
+    struct bch_diag d;
+    struct jitem *e;
+    enum bch_status st = bch_jset_decode (buf + off, len - off, magic, &j, &d);
+
+    if (st == BCH_ERR_MAGIC) {
+      off += block;             /* free space or key words */
+      continue;
+    }
+    if (!(e = jscan_add (s)))
+      return -1;
+    e->index = index;
+    e->bucket = bucket;
+    e->offset = off;
+    if (st != BCH_OK) {
+      e->bad = true;
+      snprintf (e->msg, sizeof e->msg, "%s", d.msg);
+      off += block;
+      continue;
+    }
+    e->hdr = j;
+    e->hdr.key_words = NULL;
+    e->bytes = (bch_jset_bytes (j.keys) + block - 1) / block * block;
+    e->words = malloc ((size_t) j.keys * 8 + 1);
+    if (!e->words)
+      return -1;
+    memcpy (e->words, j.key_words, (size_t) j.keys * 8);
+    jitem_keys (e, geo);
+    off += e->bytes;
+  }
+  return 0;
+}
+
+static int
+cmp_u64 (const void *a, const void *b)
+{
+  const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
+  return x < y ? -1 : x > y;
+}
+
+/* What the journal's entries say: the newest, and whether every entry
+ * from its last_seq on is there exactly once with valid keys. */
+struct janalysis {
+  const struct jitem *newest;
+  size_t entries;
+  struct { uint64_t from, to; } gaps[16];
+  size_t ngaps;                 /* may exceed 16: only 16 kept */
+  uint64_t dups[16];
+  size_t ndups;
+  const struct jitem *bad_key;  /* a needed entry with a bad key */
+  char error[768];
+};
+
+static int
+analyse_journal (const struct jscan *s, struct janalysis *a)
+{
+  uint64_t *seqs, first, expect;
+  size_t n = 0;
+
+  memset (a, 0, sizeof *a);
+  for (size_t i = 0; i < s->n; i++)
+    if (!s->it[i].bad) {
+      a->entries++;
+      if (!a->newest || s->it[i].hdr.seq > a->newest->hdr.seq)
+        a->newest = &s->it[i];
+    }
+  if (!a->newest) {
+    snprintf (a->error, sizeof a->error, "the journal holds no valid entry, "
+              "but CACHE_SYNC is set so there must be one: the journal is "
+              "corrupt");
+    return 0;
+  }
+  first = a->newest->hdr.last_seq;
+  seqs = malloc ((a->entries ? a->entries : 1) * sizeof *seqs);
+  if (!seqs)
+    return -1;
+  for (size_t i = 0; i < s->n; i++) {
+    const struct jitem *e = &s->it[i];
+    if (e->bad || e->hdr.seq < first)
+      continue;
+    seqs[n++] = e->hdr.seq;
+    if (e->msg[0] && !a->bad_key)
+      a->bad_key = e;
+  }
+  qsort (seqs, n, sizeof *seqs, cmp_u64);
+  expect = first;
+  for (size_t i = 0; i < n; i++) {
+    if (i > 0 && seqs[i] == seqs[i - 1]) {
+      if (a->ndups < 16 && (a->ndups == 0 || a->dups[a->ndups - 1] != seqs[i]))
+        a->dups[a->ndups++] = seqs[i];
+      continue;
+    }
+    if (seqs[i] > expect) {
+      if (a->ngaps < 16) {
+        a->gaps[a->ngaps].from = expect;
+        a->gaps[a->ngaps].to = seqs[i] - 1;
+      }
+      a->ngaps++;
+    }
+    expect = seqs[i] + 1;
+  }
+  free (seqs);
+
+  if (a->ngaps) {
+    size_t len = 0;
+    len += (size_t) snprintf (a->error + len, sizeof a->error - len,
+                              "journal entr%s ",
+                              a->ngaps == 1 && a->gaps[0].from == a->gaps[0].to
+                              ? "y" : "ies");
+    for (size_t i = 0; i < a->ngaps && i < 16 && len < sizeof a->error; i++) {
+      if (a->gaps[i].from == a->gaps[i].to)
+        len += (size_t) snprintf (a->error + len, sizeof a->error - len,
+                                  "%s%" PRIu64, i ? ", " : "",
+                                  a->gaps[i].from);
+      else
+        len += (size_t) snprintf (a->error + len, sizeof a->error - len,
+                                  "%s%" PRIu64 "-%" PRIu64, i ? ", " : "",
+                                  a->gaps[i].from, a->gaps[i].to);
+    }
+    if (len < sizeof a->error)
+      snprintf (a->error + len, sizeof a->error - len,
+                "%s missing: the newest entry, %" PRIu64 ", needs every "
+                "entry from its last_seq %" PRIu64 " on; the journal is "
+                "corrupt", a->ngaps > 16 ? ", ..." : "",
+                a->newest->hdr.seq, first);
+  }
+  else if (a->ndups)
+    snprintf (a->error, sizeof a->error, "journal entry %" PRIu64 " is "
+              "present more than once: the journal is corrupt", a->dups[0]);
+  else if (a->bad_key)
+    snprintf (a->error, sizeof a->error, "journal entry %" PRIu64 " (bucket "
+              "%" PRIu64 " offset %zu): %s; the journal is corrupt",
+              a->bad_key->hdr.seq, a->bad_key->bucket, a->bad_key->offset,
+              a->bad_key->msg);
+  return 0;
+}
+
+/* "bucket B gen G" for a jset's pointer key ("none" without pointer). */
+static void
+text_jptr (const struct bkey *k, uint64_t bucket_sectors)
+{
+  if (KEY_PTRS (k) == 0) {
+    fputs ("none", stdout);
+    return;
+  }
+  if (PTR_DEV (k->ptr[0]) != 0)
+    printf ("dev %" PRIu64 " ", PTR_DEV (k->ptr[0]));
+  printf ("bucket %" PRIu64 " gen %u", PTR_OFFSET (k->ptr[0]) / bucket_sectors,
+          PTR_GEN (k->ptr[0]));
+}
+
+static void
+text_jitem (const struct jitem *e, const struct jitem *newest,
+            uint64_t bucket_sectors, bool verbose)
+{
+  printf ("bucket %" PRIu64 " offset %zu: ", e->bucket, e->offset);
+  if (e->bad) {
+    printf ("ignored: %s\n", e->msg);
+    return;
+  }
+  printf ("seq %" PRIu64 ", last_seq %" PRIu64 ", %u keys (%u words), root ",
+          e->hdr.seq, e->hdr.last_seq, e->nkeys, e->hdr.keys);
+  text_jptr (&e->hdr.btree_root.key, bucket_sectors);
+  printf (" level %u, uuid ", e->hdr.btree_level);
+  text_jptr (&e->hdr.uuid_bucket.key, bucket_sectors);
+  printf (", prio bucket %" PRIu64, e->hdr.prio_bucket[0]);
+  if (e == newest)
+    fputs (" [newest]", stdout);
+  else if (newest && e->hdr.seq < newest->hdr.last_seq)
+    fputs (" [old]", stdout);
+  if (e->msg[0])
+    printf (" [%s]", e->msg);
+  putchar ('\n');
+  if (verbose) {
+    const uint8_t *p = (const uint8_t *) e->words;
+    size_t w = 0;
+
+    while (w < e->hdr.keys) {
+      struct bkey_padded b;
+
+      if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, NULL) != BCH_OK)
+        break;
+      fputs ("    key ", stdout);
+      text_key (&b.key, 0, NULL, bucket_sectors);
+      w += bkey_u64s (&b.key);
+    }
+  }
+}
+
+static void
+json_jitem (struct json *j, const struct jitem *e, const struct jitem *newest,
+            uint64_t bucket_sectors, bool verbose)
+{
+  json_open (j, NULL, '{');
+  json_u64 (j, "bucket", e->bucket);
+  json_u64 (j, "index", e->index);
+  json_u64 (j, "offset", e->offset);
+  if (e->bad) {
+    json_str (j, "error", e->msg);
+    json_close (j, '}');
+    return;
+  }
+  json_u64 (j, "bytes", e->bytes);
+  json_u64 (j, "seq", e->hdr.seq);
+  json_u64 (j, "last_seq", e->hdr.last_seq);
+  json_u64 (j, "keys", e->nkeys);
+  json_u64 (j, "key_words", e->hdr.keys);
+  if (KEY_PTRS (&e->hdr.btree_root.key))
+    json_ptr (j, "btree_root", e->hdr.btree_root.key.ptr[0], bucket_sectors);
+  else {
+    json_key (j, "btree_root");
+    fputs ("null", j->fp);
+  }
+  json_u64 (j, "btree_level", e->hdr.btree_level);
+  if (KEY_PTRS (&e->hdr.uuid_bucket.key))
+    json_ptr (j, "uuid_bucket", e->hdr.uuid_bucket.key.ptr[0],
+              bucket_sectors);
+  else {
+    json_key (j, "uuid_bucket");
+    fputs ("null", j->fp);
+  }
+  json_u64 (j, "prio_bucket", e->hdr.prio_bucket[0]);
+  json_bool (j, "newest", e == newest);
+  json_bool (j, "needed", newest && e->hdr.seq >= newest->hdr.last_seq);
+  json_str (j, "key_error", e->msg[0] ? e->msg : NULL);
+  if (verbose) {
+    const uint8_t *p = (const uint8_t *) e->words;
+    size_t w = 0;
+
+    json_open (j, "key_list", '[');
+    while (w < e->hdr.keys) {
+      struct bkey_padded b;
+
+      if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, NULL) != BCH_OK)
+        break;
+      json_bkey (j, &b.key, 0, NULL, bucket_sectors);
+      w += bkey_u64s (&b.key);
+    }
+    json_close (j, ']');
+  }
+  json_close (j, '}');
+}
+
+static int
+mode_journal (const struct options *opts, const struct device *dev,
+              int load_status)
+{
+  const struct bch_sb *sb = &dev->sb;
+  const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
+  const size_t bucket_bytes = (size_t) bucket_sectors * BCH_SECTOR_SIZE;
+  const size_t block = (size_t) sb->block_size * BCH_SECTOR_SIZE;
+  const unsigned nj = sb->njournal_buckets;
+  const struct bch_key_geometry geo = {
+    .nbuckets = sb->nbuckets, .bucket_sectors = bucket_sectors,
+    .first_bucket = sb->first_bucket, .nr_in_set = sb->nr_in_set,
+  };
+  struct jscan s = { 0 };
+  struct janalysis a;
+  uint8_t *buf;
+  int status = EXIT_OK;
+
+  (void) load_status;
+  if (!(sb->flags & BCH_CACHE_SYNC))
+    return not_initialised (dev);
+  if (nj == 0) {
+    device_error (dev->path, "CACHE_SYNC is set but the superblock lists "
+                  "no journal buckets: the cache is corrupt");
+    return EXIT_INVALID;
+  }
+  buf = malloc (bucket_bytes);
+  if (!buf) {
+    device_error (dev->path, "out of memory");
+    return EXIT_ERROR;
+  }
+  for (unsigned i = 0; i < nj && status == EXIT_OK; i++) {
+    if (read_exact (dev, buf, bucket_bytes,
+                    (off_t) (sb->d[i] * bucket_bytes)) == -1)
+      status = EXIT_ERROR;
+    else if (scan_journal_bucket (&s, i, sb->d[i], buf, bucket_bytes, block,
+                                  bch_jset_magic (sb), &geo) == -1) {
+      device_error (dev->path, "out of memory");
+      status = EXIT_ERROR;
+    }
+  }
+  free (buf);
+  if (status == EXIT_OK && analyse_journal (&s, &a) == -1) {
+    device_error (dev->path, "out of memory");
+    status = EXIT_ERROR;
+  }
+  if (status != EXIT_OK) {
+    jscan_free (&s);
+    return status;
+  }
+
+  if (opts->json) {
+    struct json j = { .fp = stdout };
+
+    json_open (&j, NULL, '{');
+    json_str (&j, "device", dev->path);
+    json_u64 (&j, "bucket_bytes", bucket_bytes);
+    json_u64 (&j, "block_bytes", block);
+    json_hex64 (&j, "jset_magic", bch_jset_magic (sb));
+    json_open (&j, "journal_buckets", '[');
+    for (unsigned i = 0; i < nj; i++)
+      json_u64 (&j, NULL, sb->d[i]);
+    json_close (&j, ']');
+    json_open (&j, "entries", '[');
+    for (size_t i = 0; i < s.n; i++)
+      if (!s.it[i].bad)
+        json_jitem (&j, &s.it[i], a.newest, bucket_sectors, opts->verbose);
+    json_close (&j, ']');
+    json_open (&j, "ignored", '[');
+    for (size_t i = 0; i < s.n; i++)
+      if (s.it[i].bad)
+        json_jitem (&j, &s.it[i], a.newest, bucket_sectors, false);
+    json_close (&j, ']');
+    if (a.newest) {
+      json_u64 (&j, "newest_seq", a.newest->hdr.seq);
+      json_u64 (&j, "last_seq", a.newest->hdr.last_seq);
+    }
+    json_open (&j, "missing", '[');
+    for (size_t i = 0; i < a.ngaps && i < 16; i++) {
+      json_open (&j, NULL, '{');
+      json_u64 (&j, "from", a.gaps[i].from);
+      json_u64 (&j, "to", a.gaps[i].to);
+      json_close (&j, '}');
+    }
+    json_close (&j, ']');
+    json_str (&j, "status", a.error[0] ? "corrupt" : "ok");
+    json_str (&j, "error", a.error[0] ? a.error : NULL);
+    json_close (&j, '}');
+    putchar ('\n');
+  }
+  else {
+    printf ("journal of %s: %u buckets (%" PRIu64 "-%" PRIu64 ") of %zu "
+            "bytes, %zu-byte blocks, jset magic 0x%016" PRIx64 "\n",
+            dev->path, nj, sb->d[0], sb->d[nj - 1], bucket_bytes, block,
+            bch_jset_magic (sb));
+    for (size_t i = 0; i < s.n; i++)
+      text_jitem (&s.it[i], a.newest, bucket_sectors, opts->verbose);
+    if (a.newest) {
+      printf ("newest entry: seq %" PRIu64 " (bucket %" PRIu64 " offset %zu), "
+              "last_seq %" PRIu64 "\n", a.newest->hdr.seq, a.newest->bucket,
+              a.newest->offset, a.newest->hdr.last_seq);
+      printf ("replay needs entries %" PRIu64 "-%" PRIu64 ": %s\n",
+              a.newest->hdr.last_seq, a.newest->hdr.seq,
+              a.ngaps ? "some are MISSING" : a.ndups ? "some are DUPLICATED"
+              : a.bad_key ? "one has a BAD KEY" : "all present");
+    }
+    else
+      printf ("no valid entry\n");
+  }
+  status = finish_output ();
+  if (a.error[0]) {
+    device_error (dev->path, "%s", a.error);
+    status = worst (status, EXIT_INVALID);
+  }
+  jscan_free (&s);
+  return status;
+}
+
+/* ------------------------------------------------------------------------
+ * Opening the cache through the engine (read-only)
+ * ------------------------------------------------------------------------ */
+
+struct log_ctx {
+  const char *path;
+  bool verbose;
+};
+
+static void
+engine_log (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  const struct log_ctx *l = opaque;
+
+  if (level < BCF_LOG_WARN && !l->verbose)
+    return;
+  if (strstr (msg, l->path))
+    fprintf (stderr, "%s: %s\n", PROGRAM_NAME, msg);
+  else
+    fprintf (stderr, "%s: %s: %s\n", PROGRAM_NAME, l->path, msg);
+}
+
+/* The exit status for an error of a read-only bcf_cache_open. */
+static int
+open_error_to_exit (int r)
+{
+  switch (-r) {
+  case EMEDIUMTYPE: return EXIT_NOT_BCACHE;
+  case EUCLEAN:     return EXIT_INVALID;
+  case ENOSPC:      return EXIT_TRUNCATED;
+  case ENOTSUP:
+  case EFBIG:       return EXIT_UNSUPPORTED;
+  default:          return EXIT_ERROR;
+  }
+}
+
+/* Open the cache read-only: reads and checks the journal, prios, uuids
+ * and every btree node, replays the journal in memory and runs the
+ * initial mark.  NULL with *status set (and a message) on failure. */
+static struct bcf_cache *
+engine_open (const struct options *opts, const struct device *dev,
+             int *status)
+{
+  static struct log_ctx lc;
+  struct bcf_cache_opts o = { 0 };
+  struct bcf_cache *c;
+  char err[1024] = "";
+  int r;
+
+  if (!(dev->sb.flags & BCH_CACHE_SYNC)) {
+    *status = not_initialised (dev);
+    return NULL;
+  }
+  lc.path = dev->path;
+  lc.verbose = opts->verbose;
+  o.path = dev->path;
+  o.readonly = true;
+  o.log = engine_log;
+  o.log_opaque = &lc;
+  r = bcf_cache_open (&o, &c, err, sizeof err);
+  if (r < 0) {
+    *status = open_error_to_exit (r);
+    if (err[0] == '\0')
+      snprintf (err, sizeof err, "%s", strerror (-r));
+    device_error (dev->path, "%s%s", r == -EUCLEAN ? "corrupt: " :
+                  "cannot open the cache: ", err);
+    return NULL;
+  }
+  *status = EXIT_OK;
+  return c;
+}
+
+/* ------------------------------------------------------------------------
+ * --btree
+ * ------------------------------------------------------------------------ */
+
+#define MAX_LEVELS 32
+
+struct btree_ctx {
+  const struct options *opts;
+  struct json *j;
+  uint64_t bucket_sectors;
+  struct ckey prev[MAX_LEVELS];     /* last node seen at each level */
+  bool have_prev[MAX_LEVELS];
+  uint64_t nodes, keys, dirty_sectors, check_keys;
+};
+
+static int
+show_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct btree_ctx *x = opaque;
+  const unsigned lv = n->level < MAX_LEVELS ? n->level : MAX_LEVELS - 1;
+  const uint64_t bucket = bucket_of_ptr (c, n->key.ptr);
+  uint64_t lo_inode = 0, lo_offset = 0, node_dirty = 0;
+  char lo[48], hi[48];
+
+  if (x->have_prev[lv]) {
+    lo_inode = ckey_inode (&x->prev[lv]);
+    lo_offset = ckey_end (&x->prev[lv]);
+  }
+  x->prev[lv] = n->key;
+  x->have_prev[lv] = true;
+  x->nodes++;
+  if (n->level == 0) {
+    x->keys += n->keys.nr;
+    for (size_t i = 0; i < n->keys.nr; i++) {
+      const struct ckey *k = &n->keys.k[i];
+      if (ckey_is_check (k))
+        x->check_keys++;
+      else if (ckey_dirty (k) && ckey_has_ptr (k) &&
+               !key_stale (c, ckey_bkey (k)))
+        node_dirty += ckey_size (k);
+    }
+    x->dirty_sectors += node_dirty;
+  }
+  pos_string (lo_inode, lo_offset, lo, sizeof lo);
+  pos_string (ckey_inode (&n->key), ckey_end (&n->key), hi, sizeof hi);
+
+  if (x->j) {
+    struct json *j = x->j;
+
+    json_open (j, NULL, '{');
+    json_u64 (j, "level", n->level);
+    json_u64 (j, "bucket", bucket);
+    json_u64 (j, "gen", PTR_GEN (n->key.ptr));
+    json_u64 (j, "keys", n->keys.nr);
+    json_u64 (j, "written", n->written);
+    json_open (j, "range", '{');
+    json_open (j, "after", '{');
+    json_u64 (j, "inode", lo_inode);
+    json_u64 (j, "offset", lo_offset);
+    json_close (j, '}');
+    json_open (j, "to", '{');
+    json_u64 (j, "inode", ckey_inode (&n->key));
+    json_u64 (j, "offset", ckey_end (&n->key));
+    json_close (j, '}');
+    json_close (j, '}');
+    if (n->level == 0)
+      json_u64 (j, "dirty_sectors", node_dirty);
+    if (x->opts->verbose) {
+      json_open (j, "key_list", '[');
+      for (size_t i = 0; i < n->keys.nr; i++)
+        json_bkey (j, ckey_bkey (&n->keys.k[i]), n->level, c,
+                   x->bucket_sectors);
+      json_close (j, ']');
+    }
+    json_close (j, '}');
+    return 0;
+  }
+
+  printf ("node bucket %" PRIu64 " level %u: %zu keys, %zu bytes written, "
+          "range (%s, %s]", bucket, n->level, n->keys.nr, n->written, lo, hi);
+  if (n->level == 0 && node_dirty)
+    printf (", %" PRIu64 " dirty sectors", node_dirty);
+  putchar ('\n');
+  if (x->opts->verbose)
+    for (size_t i = 0; i < n->keys.nr; i++) {
+      fputs (n->level ? "    " : "    key ", stdout);
+      text_key (ckey_bkey (&n->keys.k[i]), n->level, c, x->bucket_sectors);
+    }
+  return 0;
+}
+
+static int
+mode_btree (const struct options *opts, const struct device *dev,
+            int load_status)
+{
+  struct json j = { .fp = stdout };
+  struct btree_ctx x = { .opts = opts };
+  struct bcf_cache *c;
+  struct btree_node *root;
+  int status, r;
+
+  (void) load_status;
+  if (!(c = engine_open (opts, dev, &status)))
+    return status;
+  x.bucket_sectors = c->bucket_sectors;
+  if (opts->json)
+    x.j = &j;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  root = c->tree.root;
+  if (opts->json) {
+    json_open (&j, NULL, '{');
+    json_str (&j, "device", dev->path);
+    json_open (&j, "root", '{');
+    json_u64 (&j, "bucket", root ? bucket_of_ptr (c, root->key.ptr) : 0);
+    json_u64 (&j, "level", root ? root->level : 0);
+    json_close (&j, '}');
+    json_open (&j, "nodes", '[');
+  }
+  else
+    printf ("btree of %s: root bucket %" PRIu64 " level %u\n", dev->path,
+            root ? bucket_of_ptr (c, root->key.ptr) : 0,
+            root ? root->level : 0);
+  r = btree_visit (c, show_node, &x);
+  pthread_rwlock_unlock (&c->tree_lock);
+
+  if (opts->json) {
+    json_close (&j, ']');
+    json_open (&j, "summary", '{');
+    json_u64 (&j, "nodes", x.nodes);
+    json_u64 (&j, "depth", root ? root->level + 1 : 0);
+    json_u64 (&j, "keys", x.keys);
+    json_u64 (&j, "check_keys", x.check_keys);
+    json_u64 (&j, "dirty_sectors", x.dirty_sectors);
+    json_close (&j, '}');
+    json_close (&j, '}');
+    putchar ('\n');
+  }
+  else
+    printf ("summary: %" PRIu64 " nodes, depth %u, %" PRIu64 " keys, %"
+            PRIu64 " dirty sectors\n", x.nodes, root ? root->level + 1 : 0,
+            x.keys, x.dirty_sectors);
+  status = finish_output ();
+  if (r != 0) {
+    device_error (dev->path, "walking the btree: %s (a child node is "
+                  "missing)", strerror (r < 0 ? -r : EIO));
+    status = worst (status, EXIT_INVALID);
+  }
+  bcf_cache_close (c);
+  return status;
+}
+
+/* ------------------------------------------------------------------------
+ * --buckets: bcache's priority_stats
+ * ------------------------------------------------------------------------ */
+
+#define NQUANTILES 31
+
+static int
+cmp_prio_desc (const void *a, const void *b)
+{
+  const uint16_t x = *(const uint16_t *) a, y = *(const uint16_t *) b;
+  return x > y ? -1 : x < y;
+}
+
+static uint64_t
+percent (uint64_t n, uint64_t total)
+{
+  return total ? n * 100 / total : 0;
+}
+
+static int
+mode_buckets (const struct options *opts, const struct device *dev,
+              int load_status)
+{
+  struct bcf_cache *c;
+  uint64_t nb, unused = 0, clean = 0, dirty = 0, meta = 0, ndata = 0;
+  uint64_t age_sum = 0, prio_sum = 0, average = 0, prio_average = 0;
+  uint64_t sectors_per_q;
+  unsigned q[NQUANTILES] = { 0 };
+  uint16_t *prios;
+  int status;
+
+  (void) load_status;
+  if (!(c = engine_open (opts, dev, &status)))
+    return status;
+  nb = c->alloc.nbuckets;
+  prios = malloc ((nb ? nb : 1) * sizeof *prios);
+  if (!prios) {
+    device_error (dev->path, "out of memory");
+    bcf_cache_close (c);
+    return EXIT_ERROR;
+  }
+  pthread_mutex_lock (&c->alloc.lock);
+  for (uint64_t b = 0; b < nb; b++) {
+    const struct bucket *bk = &c->alloc.buckets[b];
+
+    if (bk->sectors_used == 0)
+      unused++;
+    switch (bk->mark) {
+    case GC_MARK_RECLAIMABLE: clean++; break;
+    case GC_MARK_DIRTY:       dirty++; break;
+    case GC_MARK_METADATA:    meta++; break;
+    default: break;
+    }
+    if (b >= c->sb.first_bucket &&
+        (bk->mark == GC_MARK_RECLAIMABLE || bk->mark == GC_MARK_DIRTY))
+      prios[ndata++] = bk->prio;
+  }
+  pthread_mutex_unlock (&c->alloc.lock);
+
+  /* As bcache: prios sorted from the most recently used down; the
+   * figures shown are INITIAL_PRIO - prio (0 = just used). */
+  qsort (prios, ndata, sizeof *prios, cmp_prio_desc);
+  for (uint64_t i = 0; i < ndata; i++) {
+    age_sum += prios[i] < BCH_INITIAL_PRIO ? BCH_INITIAL_PRIO - prios[i] : 0;
+    prio_sum += prios[i];
+  }
+  if (ndata) {
+    average = age_sum / ndata;
+    prio_average = prio_sum / ndata;
+    for (unsigned i = 0; i < NQUANTILES; i++) {
+      uint16_t p = prios[ndata * (i + 1) / (NQUANTILES + 1)];
+      q[i] = p < BCH_INITIAL_PRIO ? BCH_INITIAL_PRIO - p : 0;
+    }
+  }
+  sectors_per_q = ndata * c->bucket_sectors / (NQUANTILES + 1);
+  free (prios);
+
+  if (opts->json) {
+    struct json j = { .fp = stdout };
+
+    json_open (&j, NULL, '{');
+    json_str (&j, "device", dev->path);
+    json_u64 (&j, "nbuckets", nb);
+    json_u64 (&j, "bucket_bytes", c->bucket_bytes);
+    json_u64 (&j, "first_bucket", c->sb.first_bucket);
+#define JSON_SHARE(name, n)                             \
+    json_open (&j, name, '{');                          \
+    json_u64 (&j, "buckets", n);                        \
+    json_u64 (&j, "percent", percent (n, nb));          \
+    json_close (&j, '}')
+    JSON_SHARE ("unused", unused);
+    JSON_SHARE ("clean", clean);
+    JSON_SHARE ("dirty", dirty);
+    JSON_SHARE ("metadata", meta);
+#undef JSON_SHARE
+    json_u64 (&j, "data_buckets", ndata);
+    json_u64 (&j, "average", average);
+    json_u64 (&j, "prio_average", prio_average);
+    json_u64 (&j, "sectors_per_q", sectors_per_q);
+    json_open (&j, "quantiles", '[');
+    for (unsigned i = 0; i < NQUANTILES; i++)
+      json_u64 (&j, NULL, q[i]);
+    json_close (&j, ']');
+    json_close (&j, '}');
+    putchar ('\n');
+  }
+  else {
+    /* bcache's priority_stats, exactly as sysfs prints it. */
+    printf ("Unused:\t\t%" PRIu64 "%%\n", percent (unused, nb));
+    printf ("Clean:\t\t%" PRIu64 "%%\n", percent (clean, nb));
+    printf ("Dirty:\t\t%" PRIu64 "%%\n", percent (dirty, nb));
+    printf ("Metadata:\t%" PRIu64 "%%\n", percent (meta, nb));
+    printf ("Average:\t%" PRIu64 "\n", average);
+    printf ("Sectors per Q:\t%" PRIu64 "\n", sectors_per_q);
+    fputs ("Quantiles:\t[", stdout);
+    for (unsigned i = 0; i < NQUANTILES; i++)
+      printf ("%s%u", i ? " " : "", q[i]);
+    fputs ("]\n\n", stdout);
+    field ("buckets.total", "%" PRIu64, nb);
+    field ("buckets.unused", "%" PRIu64, unused);
+    field ("buckets.clean", "%" PRIu64, clean);
+    field ("buckets.dirty", "%" PRIu64, dirty);
+    field ("buckets.metadata", "%" PRIu64, meta);
+    field ("buckets.data", "%" PRIu64, ndata);
+    field ("prio.average", "%" PRIu64, prio_average);
+  }
+  bcf_cache_close (c);
+  return finish_output ();
+}
+
+/* ------------------------------------------------------------------------
+ * --fsck
+ * ------------------------------------------------------------------------ */
+
+#define FSCK_REPORT_BYTES (1024 * 1024)
+
+static int
+mode_fsck (const struct options *opts, const struct device *dev,
+           int load_status)
+{
+  struct bcf_cache *c;
+  char *report;
+  uint64_t nodes, keys, buckets;
+  size_t lines = 0;
+  int problems, status;
+
+  (void) load_status;
+  if (!(c = engine_open (opts, dev, &status)))
+    return status;
+  report = malloc (FSCK_REPORT_BYTES);
+  if (!report) {
+    device_error (dev->path, "out of memory");
+    bcf_cache_close (c);
+    return EXIT_ERROR;
+  }
+  problems = bcf_cache_fsck (c, report, FSCK_REPORT_BYTES);
+  nodes = c->tree.nnodes;
+  keys = c->tree.nkeys;
+  buckets = c->alloc.nbuckets;
+  bcf_cache_close (c);
+  if (problems < 0) {
+    device_error (dev->path, "fsck: out of memory");
+    free (report);
+    return EXIT_ERROR;
+  }
+
+  if (opts->json) {
+    struct json j = { .fp = stdout };
+    const char *p = report;
+
+    json_open (&j, NULL, '{');
+    json_str (&j, "device", dev->path);
+    json_str (&j, "status", problems ? "inconsistent" : "clean");
+    json_u64 (&j, "nodes", nodes);
+    json_u64 (&j, "keys", keys);
+    json_u64 (&j, "buckets", buckets);
+    json_u64 (&j, "problem_count", (uint64_t) problems);
+    json_open (&j, "problems", '[');
+    while (*p) {
+      size_t len = strcspn (p, "\n");
+      json_key (&j, NULL);
+      json_string (stdout, p, len);
+      lines++;
+      p += len;
+      p += *p == '\n';
+    }
+    json_close (&j, ']');
+    json_close (&j, '}');
+    putchar ('\n');
+  }
+  else if (problems == 0)
+    printf ("clean: %" PRIu64 " nodes, %" PRIu64 " keys, %" PRIu64
+            " buckets checked\n", nodes, keys, buckets);
+  else {
+    const char *p = report;
+
+    while (*p) {
+      size_t len = strcspn (p, "\n");
+      printf ("problem: %.*s\n", (int) len, p);
+      lines++;
+      p += len;
+      p += *p == '\n';
+    }
+    if (lines < (size_t) problems)
+      printf ("problem: ... %zu more (the report was truncated)\n",
+              (size_t) problems - lines);
+  }
+  free (report);
+  status = finish_output ();
+  if (problems) {
+    device_error (dev->path, "fsck found %d problem%s in %" PRIu64 " nodes, "
+                  "%" PRIu64 " keys, %" PRIu64 " buckets", problems,
+                  problems == 1 ? "" : "s", nodes, keys, buckets);
+    status = worst (status, EXIT_FSCK);
+  }
+  return status;
+}
+
+/* ------------------------------------------------------------------------
+ * The superblock mode, options and main
+ * ------------------------------------------------------------------------ */
 
 static int
 mode_super (const struct options *opts, const struct device *dev,
@@ -991,10 +2023,8 @@ mode_super (const struct options *opts, const struct device *dev,
     show_super_json (&v);
   else
     show_super_text (&v);
-  if (fflush (stdout) == EOF || ferror (stdout)) {
-    fprintf (stderr, "%s: error writing output: %m\n", PROGRAM_NAME);
+  if (finish_output () != EXIT_OK)
     return EXIT_ERROR;
-  }
   return load_status;
 }
 
@@ -1003,19 +2033,42 @@ usage (FILE *fp)
 {
   fprintf (fp,
            "Usage: %s [--json] [-f|--force] DEVICE\n"
+           "       %s --journal|--btree|--buckets|--fsck [--json] [-v] DEVICE\n"
            "       %s --help | --version\n"
-           "Decode and check the bcache superblock of a cache device or file.\n"
+           "Decode and check a bcache cache device or file (read only).\n"
            "\n"
+           "Modes (default: the superblock):\n"
+           "      --journal  the journal entries in the journal buckets\n"
+           "      --btree    the btree nodes (-v: and every key)\n"
+           "      --buckets  bucket usage and priorities (priority_stats)\n"
+           "      --fsck     check the whole cache\n"
+           "Options:\n"
            "      --json     print one JSON object instead of text\n"
            "  -f, --force    print the superblock even if its checksum,\n"
            "                 version, features or fields are bad\n"
+           "  -v, --verbose  --journal, --btree: also every key\n"
            "  -h, --help     print this help and exit\n"
            "  -V, --version  print the version and exit\n"
            "\n"
            "Exit status: 0 ok, 1 usage or I/O error, 2 not bcache, 3 backing\n"
            "device, 4 truncated, 5 bad checksum, 6 unsupported version or\n"
-           "features, 7 invalid superblock.  See bcachefilter-show(1).\n",
-           PROGRAM_NAME, PROGRAM_NAME);
+           "features, 7 invalid superblock or corrupt metadata, 8 fsck found\n"
+           "problems, 9 never registered.  See bcachefilter-show(1).\n",
+           PROGRAM_NAME, PROGRAM_NAME, PROGRAM_NAME);
+}
+
+static int
+set_mode (struct options *opts, const char *option,
+          int (*mode) (const struct options *, const struct device *, int))
+{
+  if (opts->mode_option && strcmp (opts->mode_option, option) != 0) {
+    fprintf (stderr, "%s: %s and %s: choose one mode\n", PROGRAM_NAME,
+             opts->mode_option, option);
+    return EXIT_ERROR;
+  }
+  opts->mode_option = option;
+  opts->mode = mode;
+  return -1;
 }
 
 /* Parse the command line into opts.  Returns -1 to continue, else the
@@ -1023,30 +2076,48 @@ usage (FILE *fp)
 static int
 parse_options (int argc, char *argv[], struct options *opts)
 {
-  enum { JSON_OPTION = 256 };
+  enum { JSON_OPTION = 256, JOURNAL_OPTION, BTREE_OPTION, BUCKETS_OPTION,
+         FSCK_OPTION };
   static const struct option long_options[] = {
     { "json",    no_argument, NULL, JSON_OPTION },
+    { "journal", no_argument, NULL, JOURNAL_OPTION },
+    { "btree",   no_argument, NULL, BTREE_OPTION },
+    { "buckets", no_argument, NULL, BUCKETS_OPTION },
+    { "fsck",    no_argument, NULL, FSCK_OPTION },
     { "force",   no_argument, NULL, 'f' },
+    { "verbose", no_argument, NULL, 'v' },
     { "help",    no_argument, NULL, 'h' },
     { "version", no_argument, NULL, 'V' },
     { NULL, 0, NULL, 0 }
   };
-  int c;
+  int c, r = -1;
 
   opts->mode = mode_super;
-  while ((c = getopt_long (argc, argv, "fhV", long_options, NULL)) != -1) {
+  while ((c = getopt_long (argc, argv, "fvhV", long_options, NULL)) != -1) {
     switch (c) {
     case JSON_OPTION: opts->json = true; break;
+    case JOURNAL_OPTION: r = set_mode (opts, "--journal", mode_journal); break;
+    case BTREE_OPTION: r = set_mode (opts, "--btree", mode_btree); break;
+    case BUCKETS_OPTION: r = set_mode (opts, "--buckets", mode_buckets); break;
+    case FSCK_OPTION: r = set_mode (opts, "--fsck", mode_fsck); break;
     case 'f': opts->force = true; break;
+    case 'v': opts->verbose = true; break;
     case 'h': usage (stdout); return EXIT_OK;
     case 'V': printf ("%s %s\n", PROGRAM_NAME, PACKAGE_VERSION); return EXIT_OK;
     default: usage (stderr); return EXIT_ERROR;
     }
+    if (r >= 0)
+      return r;
   }
   if (argc - optind != 1) {
     fprintf (stderr, "%s: %s\n", PROGRAM_NAME,
              optind == argc ? "missing DEVICE argument" : "too many arguments");
     usage (stderr);
+    return EXIT_ERROR;
+  }
+  if (opts->force && opts->mode_option) {
+    fprintf (stderr, "%s: --force applies only to the superblock display, "
+             "not to %s\n", PROGRAM_NAME, opts->mode_option);
     return EXIT_ERROR;
   }
   opts->path = argv[optind];
@@ -1061,6 +2132,15 @@ forceable (int status)
          status == EXIT_INVALID;
 }
 
+/* The engine keeps I/O buffers in a pool and an io_uring per thread for
+ * reuse; give them back at exit so that leak checkers see a clean exit. */
+static void
+release_engine_memory (void)
+{
+  bcf_io_thread_cleanup ();
+  bcf_buf_pool_trim ();
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -1069,6 +2149,7 @@ main (int argc, char *argv[])
   CLEANUP_CLOSE int fd = -1;
   int r;
 
+  atexit (release_engine_memory);
   r = parse_options (argc, argv, &opts);
   if (r >= 0)
     return r;
