@@ -80,6 +80,21 @@ fifo_pop (struct fifo *f)
   return v;
 }
 
+/* A bucket's prio is reset by cache hits without alloc.lock (the hit path
+ * must not take a global lock), so every access to it is atomic; relaxed
+ * order suffices, prio only steers eviction. */
+static inline uint16_t
+prio_get (const struct bucket *b)
+{
+  return __atomic_load_n (&b->prio, __ATOMIC_RELAXED);
+}
+
+static inline void
+prio_set (struct bucket *b, uint16_t prio)
+{
+  __atomic_store_n (&b->prio, prio, __ATOMIC_RELAXED);
+}
+
 /* ---- setup ------------------------------------------------------------------ */
 
 static uint64_t
@@ -107,7 +122,7 @@ alloc_init (struct bcf_cache *c)
   if (!a->buckets)
     return -ENOMEM;
   for (uint64_t b = 0; b < nb; b++)
-    a->buckets[b].prio = BCH_INITIAL_PRIO;
+    prio_set (&a->buckets[b], BCH_INITIAL_PRIO);
 
   /* Reserves: a prio write needs a whole new chain; a checkpoint may
    * rewrite a few nodes per level; the rest is for data. */
@@ -146,6 +161,7 @@ alloc_free (struct bcf_cache *c)
 
 /* ---- helpers -------------------------------------------------------------- */
 
+
 bool
 ptr_stale (struct bcf_cache *c, uint64_t ptr)
 {
@@ -162,8 +178,7 @@ void
 alloc_touch (struct bcf_cache *c, uint64_t bucket)
 {
   if (bucket < c->alloc.nbuckets)
-    __atomic_store_n (&c->alloc.buckets[bucket].prio, BCH_INITIAL_PRIO,
-                      __ATOMIC_RELAXED);
+    prio_set (&c->alloc.buckets[bucket], BCH_INITIAL_PRIO);
 }
 
 static bool
@@ -185,7 +200,7 @@ invalidate_one (struct alloc_state *a, uint64_t bi)
   b->state = BUCKET_FREE_INC;
   b->mark = GC_MARK_FREE;
   b->sectors_used = 0;
-  b->prio = BCH_INITIAL_PRIO;
+  prio_set (b, BCH_INITIAL_PRIO);
   fifo_push (&a->free_inc, bi);
 }
 
@@ -193,7 +208,7 @@ invalidate_one (struct alloc_state *a, uint64_t bi)
 static uint64_t
 lru_score (const struct bucket *b, unsigned min_prio)
 {
-  return ((uint64_t) (b->prio - min_prio) + (32768u - min_prio) / 8) *
+  return ((uint64_t) (prio_get (b) - min_prio) + (32768u - min_prio) / 8) *
          (b->sectors_used + 1);
 }
 
@@ -242,8 +257,9 @@ invalidate_buckets (struct bcf_cache *c, size_t want)
     size_t n = 0;
 
     for (uint64_t bi = 0; bi < a->nbuckets; bi++)
-      if (can_invalidate (&a->buckets[bi]) && a->buckets[bi].prio < min_prio)
-        min_prio = a->buckets[bi].prio;
+      if (can_invalidate (&a->buckets[bi]) &&
+          prio_get (&a->buckets[bi]) < min_prio)
+        min_prio = prio_get (&a->buckets[bi]);
     cand = malloc (a->nbuckets * sizeof *cand);
     if (!cand)
       return 0;
@@ -340,12 +356,12 @@ alloc_bucket_nowait (struct bcf_cache *c, enum alloc_reserve r,
   if (r == RESERVE_NONE) {
     b->state = BUCKET_OPEN;
     b->mark = GC_MARK_RECLAIMABLE;
-    b->prio = BCH_INITIAL_PRIO;
+    prio_set (b, BCH_INITIAL_PRIO);
   }
   else {
     b->state = BUCKET_IN_USE;
     b->mark = GC_MARK_METADATA;
-    b->prio = BCH_BTREE_PRIO;
+    prio_set (b, BCH_BTREE_PRIO);
   }
   b->sectors_used = (uint32_t) c->bucket_sectors;
   pthread_mutex_unlock (&a->lock);
@@ -363,7 +379,7 @@ alloc_release_meta (struct bcf_cache *c, uint64_t bucket)
   a->buckets[bucket].state = BUCKET_AVAILABLE;
   a->buckets[bucket].mark = GC_MARK_FREE;
   a->buckets[bucket].sectors_used = 0;
-  a->buckets[bucket].prio = BCH_INITIAL_PRIO;
+  prio_set (&a->buckets[bucket], BCH_INITIAL_PRIO);
   pthread_mutex_unlock (&a->lock);
 }
 
@@ -444,8 +460,9 @@ account_sectors (struct bcf_cache *c, uint32_t sectors)
     a->rescale_sectors = a->nbuckets * c->bucket_sectors / 1024;
     for (uint64_t bi = 0; bi < a->nbuckets; bi++) {
       struct bucket *b = &a->buckets[bi];
-      if (b->mark != GC_MARK_METADATA && b->pin == 0 && b->prio)
-        b->prio--;
+      uint16_t prio = prio_get (b);
+      if (b->mark != GC_MARK_METADATA && b->pin == 0 && prio)
+        prio_set (b, (uint16_t) (prio - 1));
     }
   }
   else
@@ -616,11 +633,11 @@ alloc_prio_write (struct bcf_cache *c)
     newchain[i] = fifo_pop (f);
     a->buckets[newchain[i]].state = BUCKET_IN_USE;
     a->buckets[newchain[i]].mark = GC_MARK_METADATA;
-    a->buckets[newchain[i]].prio = BCH_BTREE_PRIO;
+    prio_set (&a->buckets[newchain[i]], BCH_BTREE_PRIO);
   }
   for (uint64_t bi = 0; bi < a->nbuckets; bi++) {
     ent[bi].gen = a->buckets[bi].gen;
-    ent[bi].prio = a->buckets[bi].prio;
+    ent[bi].prio = prio_get (&a->buckets[bi]);
   }
   seq = ++a->prio_seq;
   pthread_mutex_unlock (&a->lock);
@@ -725,7 +742,7 @@ alloc_prio_read (struct bcf_cache *c, uint64_t head)
       struct bch_bucket_disk e = bch_pset_entry (buf, j);
       struct bucket *b = &a->buckets[first + j];
       b->gen = b->disk_gen = b->last_gc = e.gen;
-      b->prio = e.prio;
+      prio_set (b, e.prio);
     }
     a->prio_buckets[a->nprio++] = bucket;
     if (i == 0)

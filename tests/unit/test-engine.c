@@ -557,6 +557,106 @@ START_TEST (test_gc_does_not_block_alloc)
 }
 END_TEST
 
+
+/* Many threads at once, with the background threads running: each worker
+ * owns a disjoint region of the backing store (so its shadow copy is
+ * exact) and does writethrough writes (durable invalidation, backing
+ * write, insert), bypass writes, reads that fill misses, and flushes; a
+ * small cache keeps the allocator and GC busy.  Every hit must equal the
+ * shadow, during the run and after a close and reopen; fsck must be clean.
+ * Run under TSan by run-tests to check the locking. */
+#define T_WORKERS 4
+struct worker {
+  struct fixture *f;
+  uint8_t *shadow;
+  uint64_t first_blk, nblk;
+  unsigned id;
+  uint64_t ops;
+};
+
+static void *
+worker_main (void *arg)
+{
+  struct worker *w = arg;
+  struct bcf_backing b = mem_backing_get (w->f->mb);
+  uint8_t *buf = malloc (16 * BLOCK);
+  uint64_t st = (seed + 1) * 0x9E3779B97F4A7C15ull * (w->id + 1);
+
+  for (uint64_t op = 0; op < w->ops; op++) {
+    uint64_t x, blk, nb;
+
+    st ^= st >> 12; st ^= st << 25; st ^= st >> 27;
+    x = st * 2685821657736338717ull;
+    nb = 1 + (x >> 8) % 8;
+    blk = w->first_blk + (x >> 16) % (w->nblk - nb);
+    switch (x % 10) {
+    case 0: case 1: case 2:           /* writethrough */
+    case 3:                           /* bypass */
+      for (uint64_t i = 0; i < nb * BLOCK; i++)
+        buf[i] = (uint8_t) (x >> (i % 56)) ^ (uint8_t) i;
+      ck_assert_int_eq (bcf_invalidate (w->f->c, blk * BLOCK, nb * BLOCK,
+                                        true), 0);
+      ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, (uint32_t) (nb * BLOCK),
+                                       blk * BLOCK, false), 0);
+      memcpy (w->shadow + blk * BLOCK, buf, nb * BLOCK);
+      if (x % 10 != 3) {
+        int r = bcf_insert (w->f->c, blk * BLOCK, nb * BLOCK, buf, false,
+                            false);
+        ck_assert_msg (r == 0 || r == -ENOSPC, "insert: %s", strerror (-r));
+      }
+      break;
+    case 9:
+      ck_assert_int_eq (bcf_flush (w->f->c), 0);
+      break;
+    default:
+      cached_read (w->f, w->shadow, blk * BLOCK, nb * BLOCK, true, op);
+      break;
+    }
+  }
+  free (buf);
+  return NULL;
+}
+
+START_TEST (test_threads)
+{
+  const uint64_t backing = 32 << 20, nblocks = backing / BLOCK;
+  struct fixture f;
+  uint8_t *shadow = calloc (1, backing);
+  struct worker w[T_WORKERS];
+  pthread_t th[T_WORKERS];
+  const uint64_t ops = getenv ("TEST_THREAD_OPS")
+                       ? strtoull (getenv ("TEST_THREAD_OPS"), NULL, 0) : 4000;
+
+  /* 8 MiB of cache for 32 MiB of data: constant eviction. */
+  fixture_init (&f, "threads.img", backing, 8 << 20, 32);
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
+  for (unsigned i = 0; i < T_WORKERS; i++) {
+    w[i] = (struct worker) {
+      .f = &f, .shadow = shadow, .first_blk = i * (nblocks / T_WORKERS),
+      .nblk = nblocks / T_WORKERS, .id = i, .ops = ops,
+    };
+    ck_assert_int_eq (pthread_create (&th[i], NULL, worker_main, &w[i]), 0);
+  }
+  for (int k = 0; k < 5; k++) {
+    bcf_trigger_gc (f.c);
+    ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  }
+  for (unsigned i = 0; i < T_WORKERS; i++)
+    ck_assert_int_eq (pthread_join (th[i], NULL), 0);
+  bcf_cache_stop_threads (f.c);
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  verify_all_hits (&f, shadow, backing);
+  fixture_close (&f);
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  verify_all_hits (&f, shadow, backing);
+  fixture_free (&f);
+  free (shadow);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -586,6 +686,7 @@ engine_suite (void)
   add (s, "miss_collision", test_miss_collision);
   add (s, "model_random", test_model_random);
   add (s, "model_eviction", test_model_eviction);
+  add (s, "threads", test_threads);
   /* An allocator that waits for GC never returns here (the pass is
    * paused): the timeout turns that stall into a failure. */
   add_timeout (s, "gc_does_not_block_alloc", test_gc_does_not_block_alloc,
