@@ -126,7 +126,8 @@ START_TEST (test_model_random)
   struct keyset set;
   struct ckey pending[8];
   unsigned npending = 0;
-  const uint64_t ops = 200000;
+  const uint64_t ops = getenv ("TEST_BSET_OPS")
+                       ? strtoull (getenv ("TEST_BSET_OPS"), NULL, 0) : 2000000;
 
   memset (model, 0, sizeof model);
   keyset_init (&set, false);
@@ -168,9 +169,11 @@ START_TEST (test_model_random)
       }
       pending[idx] = pending[--npending];
     }
-    if (op % 1009 == 0 || op == ops - 1)
+    if (op % 10007 == 0 || op == ops - 1)
       compare (&set, op);
   }
+  printf ("test-bset: model: %" PRIu64 " operations, %zu keys at the end\n",
+          ops, set.nr);
   keyset_free (&set);
 }
 END_TEST
