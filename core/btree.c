@@ -395,6 +395,10 @@ int
 btree_insert_locked (struct bcf_cache *c, const struct ckey *k)
 {
   uint64_t pos = ckey_start (k);
+  struct ckey need;
+
+  if (!btree_range_loaded (c, ckey_inode (k), pos, ckey_end (k), &need))
+    return -ENODATA;          /* the caller loads it and retries */
 
   while (pos < ckey_end (k)) {
     struct btree_node *n = btree_find_leaf (c, ckey_inode (k), pos + 1);
@@ -416,6 +420,10 @@ btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
                       const struct ckey *expect)
 {
   uint64_t pos = ckey_start (k);
+  struct ckey need;
+
+  if (!btree_range_loaded (c, ckey_inode (k), pos, ckey_end (k), &need))
+    return -ENODATA;
 
   /* All or nothing: check every leaf first. */
   while (pos < ckey_end (k)) {
@@ -430,6 +438,138 @@ btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
     pos = ckey_end (&p);
   }
   return btree_insert_locked (c, k);
+}
+
+/* ---- the node cache -------------------------------------------------------- */
+
+void
+btree_touch (struct bcf_cache *c, struct btree_node *n)
+{
+  __atomic_store_n (&n->last_use,
+                    __atomic_add_fetch (&c->tree.tick, 1, __ATOMIC_RELAXED),
+                    __ATOMIC_RELAXED);
+}
+
+bool
+btree_range_loaded (struct bcf_cache *c, uint64_t inode, uint64_t start,
+                    uint64_t end, struct ckey *need)
+{
+  uint64_t pos = start;
+
+  do {
+    struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+    if (!n)
+      return true;            /* callers report the missing leaf */
+    if (n->evicted) {
+      *need = n->key;
+      return false;
+    }
+    if (ckey_inode (&n->key) != inode)
+      break;
+    pos = ckey_end (&n->key);
+  } while (pos < end);
+  return true;
+}
+
+int
+btree_load_evicted (struct bcf_cache *c, const struct ckey *key)
+{
+  struct btree_node tmp = { .key = *key, .level = 0 };
+  struct btree_node *n;
+  char err[256];
+  int r;
+
+  keyset_init (&tmp.keys, false);
+  keyset_init (&tmp.open, true);
+  r = btree_node_read (c, &tmp, err, sizeof err);
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  n = hash_find (c, key);
+  if (n && n->evicted) {
+    if (r == 0) {
+      n->keys = tmp.keys;
+      keyset_init (&tmp.keys, false);
+      n->evicted = false;
+      c->tree.nkeys += n->keys.nr;
+      btree_touch (c, n);
+      __atomic_add_fetch (&c->tree.loads, 1, __ATOMIC_RELAXED);
+    }
+    else
+      bcf_log (c, BCF_LOG_ERROR, "reloading an evicted btree node: %s", err);
+  }
+  else
+    r = 0;                    /* loaded or freed meanwhile: just retry */
+  pthread_rwlock_unlock (&c->tree_lock);
+  keyset_free (&tmp.keys);
+  keyset_free (&tmp.open);
+  return r;
+}
+
+struct evict_ctx {
+  size_t bytes;
+  struct btree_node **cand;
+  size_t n, cap;
+};
+
+static int
+count_cache (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct evict_ctx *e = opaque;
+  bool dirty = false;
+
+  e->bytes += keyset_bytes (&n->keys) + keyset_bytes (&n->open);
+  if (n->level > 0 || n->evicted || n->rewrite || n->open.nr ||
+      n == c->tree.root)
+    return 0;
+  /* Dirty data must stay countable without I/O (writeback, identity). */
+  for (size_t i = 0; i < n->keys.nr && !dirty; i++)
+    dirty = ckey_dirty (&n->keys.k[i]);
+  if (dirty)
+    return 0;
+  if (e->n == e->cap) {
+    size_t cap = e->cap ? e->cap * 2 : 64;
+    void *p = realloc (e->cand, cap * sizeof *e->cand);
+    if (!p)
+      return 1;
+    e->cand = p;
+    e->cap = cap;
+  }
+  e->cand[e->n++] = n;
+  return 0;
+}
+
+static int
+cmp_last_use (const void *a, const void *b)
+{
+  const struct btree_node *x = *(struct btree_node *const *) a;
+  const struct btree_node *y = *(struct btree_node *const *) b;
+  return x->last_use < y->last_use ? -1 : x->last_use > y->last_use;
+}
+
+void
+btree_evict_locked (struct bcf_cache *c)
+{
+  const size_t limit = c->opts.node_cache_bytes ? c->opts.node_cache_bytes
+                       : (size_t) 256 << 20;
+  struct evict_ctx e = { 0 };
+
+  btree_visit (c, count_cache, &e);
+  c->tree.cache_bytes = e.bytes;
+  if (e.bytes > limit && e.n) {
+    /* Least recently used first, down to 3/4 of the bound so this does
+     * not run at every checkpoint. */
+    qsort (e.cand, e.n, sizeof *e.cand, cmp_last_use);
+    for (size_t i = 0; i < e.n && e.bytes > limit / 4 * 3; i++) {
+      struct btree_node *n = e.cand[i];
+      e.bytes -= keyset_bytes (&n->keys);
+      c->tree.nkeys -= n->keys.nr;
+      keyset_free (&n->keys);
+      n->evicted = true;
+      __atomic_add_fetch (&c->tree.evictions, 1, __ATOMIC_RELAXED);
+    }
+    c->tree.cache_bytes = e.bytes;
+  }
+  free (e.cand);
 }
 
 /* ---- visiting --------------------------------------------------------------- */
@@ -924,6 +1064,7 @@ btree_checkpoint (struct bcf_cache *c)
       c->tree.dead[j++] = c->tree.dead[i];
   }
   c->tree.ndead = j;
+  btree_evict_locked (c);
   pthread_rwlock_unlock (&c->tree_lock);
   bcf_time_record (c, &c->stats.checkpoint, bcf_now_ns () - t0);
   return 0;

@@ -221,9 +221,17 @@ static int
 insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
 {
   for (;;) {
+    struct ckey need;
     int r;
 
     pthread_rwlock_wrlock (&c->tree_lock);
+    if (!btree_range_loaded (c, ckey_inode (k), ckey_start (k), ckey_end (k),
+                             &need)) {
+      pthread_rwlock_unlock (&c->tree_lock);
+      if ((r = btree_load_evicted (c, &need)) < 0)
+        return r;
+      continue;
+    }
     if (seq) {
       uint64_t s = journal_add_key_locked (c, k);
       if (s == 0) {
@@ -277,6 +285,31 @@ dev_read (struct bcf_cache *c, void *data, size_t len, uint64_t off)
   return r;
 }
 
+/* Replace insert under the tree lock, loading evicted leaves first.
+ * Returns 0, -EEXIST (collision) or -errno. */
+static int
+replace_key (struct bcf_cache *c, const struct ckey *k,
+             const struct ckey *expect)
+{
+  for (;;) {
+    int r;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    r = btree_replace_locked (c, k, expect);
+    if (r == -ENODATA) {
+      struct ckey need;
+      bool loaded = btree_range_loaded (c, ckey_inode (k), ckey_start (k),
+                                        ckey_end (k), &need);
+      pthread_rwlock_unlock (&c->tree_lock);
+      if (!loaded && (r = btree_load_evicted (c, &need)) < 0)
+        return r;
+      continue;
+    }
+    pthread_rwlock_unlock (&c->tree_lock);
+    return r;
+  }
+}
+
 /* ---- reads ------------------------------------------------------------------------ */
 
 int
@@ -303,6 +336,16 @@ bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
       r = -EIO;
       break;
     }
+    if (leaf->evicted) {
+      struct ckey need = leaf->key;
+      pthread_rwlock_unlock (&c->tree_lock);
+      r = btree_load_evicted (c, &need);
+      pthread_rwlock_rdlock (&c->tree_lock);
+      if (r < 0)
+        break;
+      continue;
+    }
+    btree_touch (c, leaf);
     s = &leaf->keys;
     for (ki = keyset_search (s, inode, pos); pos < end && i < max; ki++) {
       const struct ckey *k = ki < s->nr && ckey_inode (&s->k[ki]) == inode
@@ -463,9 +506,7 @@ bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data)
     }
     k = range_piece (c, p, pe, p, true, ptr, false);
     expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
-    pthread_rwlock_wrlock (&c->tree_lock);
-    r = btree_replace_locked (c, &k, &expect);
-    pthread_rwlock_unlock (&c->tree_lock);
+    r = replace_key (c, &k, &expect);
     alloc_put (c, ptr);
     if (r == -EEXIST) {
       atomic_fetch_add (&c->stats.miss_collisions, 1);
@@ -483,16 +524,14 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
   const uint64_t s = m->offset >> BCH_SECTOR_SHIFT;
   const uint64_t e = (m->offset + m->len) >> BCH_SECTOR_SHIFT;
 
-  pthread_rwlock_wrlock (&c->tree_lock);
   for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
     uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
     struct ckey w = range_piece (c, p, pe, s, false, 0, false);
     struct ckey expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
     /* Only where our check key is still whole; otherwise someone else's
      * key is there now and must stay. */
-    btree_replace_locked (c, &w, &expect);
+    replace_key (c, &w, &expect);
   }
-  pthread_rwlock_unlock (&c->tree_lock);
 }
 
 /* ---- writes and invalidation ------------------------------------------------------ */
@@ -513,8 +552,8 @@ range_cached_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
     const struct keyset *ks;
     uint64_t leaf_end;
 
-    if (!leaf)
-      return true;
+    if (!leaf || leaf->evicted)
+      return true;            /* not in memory: assume cached (safe) */
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
       const struct ckey *k = &ks->k[i];
@@ -657,6 +696,9 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->btree_nodes = c->tree.nnodes;
   st->btree_depth = c->tree.root ? c->tree.root->level + 1 : 0;
   st->btree_keys = c->tree.nkeys;
+  st->btree_cache_bytes = c->tree.cache_bytes;
+  st->btree_evictions = __atomic_load_n (&c->tree.evictions, __ATOMIC_RELAXED);
+  st->btree_loads = __atomic_load_n (&c->tree.loads, __ATOMIC_RELAXED);
   pthread_rwlock_unlock (&c->tree_lock);
   pthread_mutex_lock (&c->journal.lock);
   st->journal_seq = c->journal.seq;

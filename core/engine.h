@@ -170,6 +170,10 @@ struct btree_node {
   size_t written;           /* bytes of the node on disk (block multiple) */
   bool rewrite;             /* must be written whole at key.ptr (new node,
                                or compacted into a new bucket) */
+  bool evicted;             /* clean leaf whose keys were dropped from
+                               memory: load it (btree_load_evicted) before
+                               use */
+  uint64_t last_use;        /* node cache LRU tick (atomic) */
   struct btree_node *hash_next;
 };
 
@@ -186,6 +190,9 @@ struct btree {
   struct { uint64_t bucket; uint64_t epoch; } *dead;
   size_t ndead, dead_cap;
   uint64_t epoch;             /* incremented at each checkpoint snapshot */
+  uint64_t tick;              /* node cache LRU clock (atomic) */
+  size_t cache_bytes;         /* key memory of loaded nodes (last count) */
+  uint64_t evictions, loads;  /* node cache counters (atomic) */
 };
 
 int btree_init (struct bcf_cache *c);
@@ -209,6 +216,20 @@ struct btree_node *btree_find_leaf (struct bcf_cache *c, uint64_t inode,
                                     uint64_t sector);
 /* The child an interior key points to (NULL if not in memory). */
 struct btree_node *btree_child (struct bcf_cache *c, const struct ckey *k);
+/* The node cache.  Leaves that are clean (nothing unwritten) may have
+ * their keys dropped from memory when the cache is over its bound
+ * (opts.node_cache_bytes); they are read back on use.  Nothing reads an
+ * evicted leaf's keys: code that needs the leaves over a range checks
+ * btree_range_loaded under tree_lock; if it says no, the caller drops the
+ * lock, calls btree_load_evicted (I/O, no lock held) and tries again. */
+bool btree_range_loaded (struct bcf_cache *c, uint64_t inode, uint64_t start,
+                         uint64_t end, struct ckey *need);
+int btree_load_evicted (struct bcf_cache *c, const struct ckey *key);
+/* Note a use of leaf n (LRU); any lock. */
+void btree_touch (struct bcf_cache *c, struct btree_node *n);
+/* Drop clean leaves until the node cache is under its bound (caller holds
+ * tree_lock for writing). */
+void btree_evict_locked (struct bcf_cache *c);
 /* Visit every node, parents before children (fsck, GC, stats). */
 typedef int (*btree_visit_fn) (struct bcf_cache *c, struct btree_node *n,
                                void *opaque);

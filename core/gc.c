@@ -245,6 +245,14 @@ gc_pass (struct bcf_cache *c, bool pace)
         r = -EIO;
         break;
       }
+      if (n->evicted) {
+        /* Marking needs the keys: read the leaf back (no lock held). */
+        struct ckey need = n->key;
+        pthread_rwlock_unlock (&c->tree_lock);
+        r = btree_load_evicted (c, &need);
+        pthread_rwlock_wrlock (&c->tree_lock);
+        continue;
+      }
       r = gc_leaf (c, &p, n);
       p.nodes++;
       if (ckey_inode (&n->key) == BKEY_MAX_INODE &&

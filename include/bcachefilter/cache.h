@@ -188,6 +188,7 @@ struct bcf_cache_stats {
   uint64_t nbuckets, bucket_bytes, block_bytes;
   uint64_t buckets_free, buckets_clean, buckets_dirty, buckets_meta;
   uint64_t btree_nodes, btree_depth, btree_keys, btree_cache_bytes;
+  uint64_t btree_evictions, btree_loads;  /* node cache */
   uint64_t dirty_sectors;
   uint64_t journal_seq, journal_last_seq, journal_writes;
   uint64_t hits, misses, miss_collisions, read_races;

@@ -280,8 +280,11 @@ START_TEST (test_miss_collision)
 }
 END_TEST
 
-/* The strict model phase: no eviction, so the cached map is exact. */
-START_TEST (test_model_random)
+/* The strict model phase: no eviction, so the cached map is exact.  With
+ * node_cache_bytes small, clean leaves are dropped from memory at every
+ * checkpoint and read back on use, and the map must not change. */
+static void
+model_run (size_t node_cache_bytes)
 {
   const uint64_t backing = 16 << 20, nblocks = backing / BLOCK;
   const uint64_t ops = getenv ("TEST_MODEL_OPS")
@@ -298,6 +301,7 @@ START_TEST (test_model_random)
    * 16 KiB nodes of about 500 keys, so splits, relocations and a btree of
    * several levels happen. */
   fixture_init (&f, "model.img", backing, 512ull << 20, 32);
+  f.opts.node_cache_bytes = node_cache_bytes;
   b = mem_backing_get (f.mb);
   fixture_open (&f);
 
@@ -373,10 +377,27 @@ START_TEST (test_model_random)
           st.btree_nodes, st.btree_depth, st.btree_split.count,
           st.checkpoint.count);
   ck_assert_uint_gt (st.btree_depth, 1);
+  if (node_cache_bytes) {
+    printf ("test-engine: model with a %zu-byte node cache: %" PRIu64
+            " evictions, %" PRIu64 " reloads since the last open\n",
+            node_cache_bytes, st.btree_evictions, st.btree_loads);
+    ck_assert_uint_gt (st.btree_evictions, 0);
+  }
   fixture_free (&f);
   free (shadow);
   free (buf);
   free (cached);
+}
+
+START_TEST (test_model_random)
+{
+  model_run (0);
+}
+END_TEST
+
+START_TEST (test_model_small_node_cache)
+{
+  model_run (16384);
 }
 END_TEST
 
@@ -629,6 +650,9 @@ START_TEST (test_threads)
 
   /* 8 MiB of cache for 32 MiB of data: constant eviction. */
   fixture_init (&f, "threads.img", backing, 8 << 20, 32);
+  /* A tiny node cache: leaves are evicted at every checkpoint and read
+   * back concurrently. */
+  f.opts.node_cache_bytes = 32768;
   fixture_open (&f);
   ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
   for (unsigned i = 0; i < T_WORKERS; i++) {
@@ -685,6 +709,7 @@ engine_suite (void)
   add (s, "make_bcache_interop", test_make_bcache_interop);
   add (s, "miss_collision", test_miss_collision);
   add (s, "model_random", test_model_random);
+  add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);
   add (s, "threads", test_threads);
   /* An allocator that waits for GC never returns here (the pass is
