@@ -358,6 +358,61 @@ split_node (struct bcf_cache *c, struct btree_node *n)
   return 0;
 }
 
+static int relocate_node (struct bcf_cache *c, struct btree_node *n);
+
+/* GC's coalescing (bcache's btree_gc_coalesce, for two nodes): if leaf n
+ * and its right sibling under the same parent fit together in 2/3 of a
+ * node, replace both by one new node.  The parent loses a child key, which
+ * an appended bset cannot express (interior bsets only add or replace
+ * keys), so the parent moves to a new bucket and is written whole
+ * (relocate_node), like any copy on write.  The old nodes' buckets die
+ * under the epoch rule.  Returns 1 if it merged, 0 if not, -errno.  Under
+ * tree_lock (write), no I/O. */
+int
+btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
+{
+  struct btree *t = &c->tree;
+  struct btree_node *p = find_parent (c, n), *m, *x;
+  size_t i;
+  uint64_t b;
+  int r;
+
+  if (!p || n->level != 0 || n->evicted)
+    return 0;
+  i = child_index (&p->keys, ckey_inode (&n->key), ckey_end (&n->key));
+  if (i + 1 >= p->keys.nr)
+    return 0;
+  m = hash_find (c, &p->keys.k[i + 1]);
+  if (!m || m->evicted || n->keys.nr + m->keys.nr > t->max_leaf_keys * 2 / 3)
+    return 0;
+  /* x, and the parent's new bucket, and whatever the parent's parents
+   * need when the pointer changes. */
+  if (btree_free_buckets (c) < 2 * (t->root->level + 1) + 2)
+    return 0;
+  if ((r = alloc_bucket_nowait (c, RESERVE_BTREE, &b)) < 0)
+    return 0;
+  x = node_new (c, 0, b, &m->key);
+  if (!x)
+    return -ENOMEM;
+  if ((r = keyset_reserve (&x->keys, n->keys.nr + m->keys.nr)) < 0)
+    return r;
+  for (size_t k = 0; k < n->keys.nr; k++)
+    keyset_append (&x->keys, &n->keys.k[k]);
+  for (size_t k = 0; k < m->keys.nr; k++)
+    keyset_append (&x->keys, &m->keys.k[k]);
+  keyset_del (&p->keys, &n->key);
+  if ((r = keyset_put (&p->keys, &x->key)) < 0)
+    return r;
+  keyset_clear (&p->open);
+  if (!p->rewrite && (r = relocate_node (c, p)) < 0)
+    return r;
+  dead_add (c, node_bucket (c, n));
+  dead_add (c, node_bucket (c, m));
+  node_free (c, n);
+  node_free (c, m);
+  return 1;
+}
+
 /* Insert one piece that lies inside leaf n. */
 static int
 leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k)

@@ -715,6 +715,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->gc_passes = atomic_load (&c->stats.gc_passes);
   st->gc_slices = atomic_load (&c->stats.gc_slices);
   st->gc_nodes = atomic_load (&c->stats.gc_nodes);
+  st->gc_coalesced = atomic_load (&c->stats.gc_coalesced);
   pthread_mutex_lock (&c->stats.time_lock);
   st->gc = c->stats.gc;
   st->btree_split = c->stats.btree_split;

@@ -210,6 +210,9 @@ int btree_insert_locked (struct bcf_cache *c, const struct ckey *k);
  * -EEXIST (collision), -EAGAIN or -ENOMEM.  Under tree_lock (write). */
 int btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
                           const struct ckey *expect);
+/* GC: merge leaf n with its right sibling if both fit in 2/3 of a node.
+ * 1 merged, 0 not, -errno (tree_lock held for writing). */
+int btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n);
 /* Find the leaf holding position (inode, sector): the leaf whose range
  * (previous key, key] contains sector.  Under tree_lock (any). */
 struct btree_node *btree_find_leaf (struct bcf_cache *c, uint64_t inode,
@@ -379,7 +382,7 @@ struct bcf_cache {
   struct {
     atomic_uint_fast64_t hits, misses, miss_collisions, read_races;
     atomic_uint_fast64_t inserts, invalidates, device_errors;
-    atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes;
+    atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                          checkpoint;
     pthread_mutex_t time_lock;

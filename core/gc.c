@@ -31,9 +31,9 @@
  * invalidated or allocated as metadata during the pass keeps the marks
  * the allocator gave it — GC may not have seen its newest keys.
  *
- * Not done here yet: coalescing sparse nodes (needs interior deletions,
- * i.e. a copy-on-write parent rewrite) and moving GC (bcache leaves it
- * off by default).
+ * Coalescing: before marking a leaf, GC merges it with its right sibling
+ * when both fit in 2/3 of a node (btree_coalesce_locked; bcache merges up
+ * to four).  Not done: moving GC (bcache leaves it off by default).
  *
  * Locking: gc.lock protects the request flag and the shadow arrays; a
  * slice holds tree_lock for writing; marks are applied under alloc.lock.
@@ -253,7 +253,16 @@ gc_pass (struct bcf_cache *c, bool pace)
         pthread_rwlock_wrlock (&c->tree_lock);
         continue;
       }
-      r = gc_leaf (c, &p, n);
+      /* Sparse neighbours become one node before marking, so each key
+       * is marked once. */
+      r = btree_coalesce_locked (c, n);
+      if (r > 0) {
+        atomic_fetch_add (&c->stats.gc_coalesced, 1);
+        n = btree_find_leaf (c, inode, pos + 1);
+        r = n ? 0 : -EIO;
+      }
+      if (r == 0)
+        r = gc_leaf (c, &p, n);
       p.nodes++;
       if (ckey_inode (&n->key) == BKEY_MAX_INODE &&
           ckey_end (&n->key) == BKEY_MAX_OFFSET)

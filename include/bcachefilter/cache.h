@@ -196,7 +196,7 @@ struct bcf_cache_stats {
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;
-  uint64_t gc_passes, gc_slices, gc_nodes;
+  uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
 };
 
 void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);

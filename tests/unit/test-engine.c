@@ -681,6 +681,76 @@ START_TEST (test_threads)
 }
 END_TEST
 
+
+/* GC coalesces sparse leaves: many small extents make many leaves; most
+ * are then invalidated; a GC pass must leave fewer nodes, the same
+ * cached data (every surviving extent still a hit with the right bytes),
+ * fsck clean, before and after a reopen. */
+START_TEST (test_gc_coalesce)
+{
+  const uint64_t backing = 64 << 20, nblocks = backing / BLOCK;
+  struct fixture f;
+  struct bcf_backing b;
+  struct bcf_cache_stats st0, st1;
+  uint8_t *shadow = calloc (1, backing), *buf = malloc (BLOCK);
+  bool *cached = calloc (nblocks, sizeof *cached);
+
+  rng_state = seed * 13 + 1;
+  fixture_init (&f, "coalesce.img", backing, 64 << 20, 32);
+  b = mem_backing_get (f.mb);
+  fixture_open (&f);
+  for (uint64_t blk = 0; blk < nblocks; blk += 2) {
+    fill (buf, BLOCK);
+    ck_assert_int_eq (b.ops->pwrite (b.opaque, buf, BLOCK, blk * BLOCK, false),
+                      0);
+    memcpy (shadow + blk * BLOCK, buf, BLOCK);
+    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false),
+                      0);
+    cached[blk] = true;
+  }
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  /* Keep one extent in 16. */
+  for (uint64_t blk = 0; blk < nblocks; blk += 2)
+    if (blk % 32) {
+      ck_assert_int_eq (bcf_invalidate (f.c, blk * BLOCK, BLOCK, false), 0);
+      cached[blk] = false;
+    }
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  bcf_cache_stats (f.c, &st1);
+  printf ("test-engine: coalesce: %" PRIu64 " nodes before GC, %" PRIu64
+          " after (%" PRIu64 " merges)\n", st0.btree_nodes, st1.btree_nodes,
+          st1.gc_coalesced);
+  ck_assert_uint_lt (st1.btree_nodes, st0.btree_nodes);
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  for (int round = 0; round < 2; round++) {
+    for (uint64_t blk = 0; blk < nblocks; blk += 256) {
+      struct bcf_extent e[300];
+      unsigned n;
+      ck_assert_int_eq (bcf_lookup (f.c, blk * BLOCK, 256 * BLOCK, e, 300, &n),
+                        0);
+      for (unsigned i = 0; i < n; i++)
+        for (uint64_t x = e[i].offset / BLOCK;
+             x < (e[i].offset + e[i].len) / BLOCK; x++)
+          ck_assert_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
+                         "seed %u: block %" PRIu64 " %s after coalescing",
+                         seed, x, cached[x] ? "lost" : "appeared");
+    }
+    verify_all_hits (&f, shadow, backing);
+    fixture_close (&f);
+    f.opts.format = BCF_FORMAT_NEVER;
+    fixture_open (&f);
+    ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  }
+  fixture_free (&f);
+  free (shadow);
+  free (buf);
+  free (cached);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -712,6 +782,7 @@ engine_suite (void)
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);
   add (s, "threads", test_threads);
+  add (s, "gc_coalesce", test_gc_coalesce);
   /* An allocator that waits for GC never returns here (the pass is
    * paused): the timeout turns that stall into a failure. */
   add_timeout (s, "gc_does_not_block_alloc", test_gc_does_not_block_alloc,
