@@ -819,11 +819,16 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
 /* ---- the checkpoint --------------------------------------------------------- */
 
 struct node_write {
+  /* Captured under the lock (phase 1): */
+  struct ckey *keys;          /* owned copy of the keys to write */
+  size_t nkeys;
+  uint64_t seq, ptr0;         /* the node's bset seq and pointer (csum seed) */
+  uint64_t off;               /* device bytes */
+  size_t len;                 /* bytes to write: a block multiple */
+  unsigned level;
+  /* Encoded without the lock (phase 2): */
   void *buf;
   size_t alloc;               /* bytes allocated */
-  size_t len;                 /* bytes to write: a block multiple */
-  uint64_t off;               /* device bytes */
-  unsigned level;
 };
 
 struct ckpt {
@@ -837,46 +842,77 @@ round_block (const struct bcf_cache *c, size_t x)
   return (x + c->block_bytes - 1) / c->block_bytes * c->block_bytes;
 }
 
-/* Encode the keys of a set as one bset into a new buffer. */
-static int
-encode_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
-             const struct keyset *s, size_t at)
+/* Phase 1, under the lock: take the keys one bset of node n will hold,
+ * at byte `at` of the node.  With steal, the array itself is taken (the
+ * open set, which the caller then re-initialises); otherwise it is
+ * copied (the merged view of a node written whole).  Only this copy and
+ * the exact size happen under the lock; encoding and checksumming, the
+ * expensive part, wait for phase 2 (encode_bset).  Returns the
+ * block-rounded size, or 0 on ENOMEM. */
+static size_t
+capture_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
+              struct keyset *s, bool steal, size_t at)
 {
-  /* An upper bound (keys without a pointer take two words, not three);
-   * what is written is the real size, rounded to a block. */
-  size_t bytes = BCH_BSET_HEADER_SIZE + s->nr * sizeof (struct ckey);
-  size_t alloc = round_block (c, bytes), len, used;
-  uint8_t *buf, *p;
-  uint32_t words = 0;
+  struct node_write *w;
+  size_t words = 0;
 
   if (ck->nw == ck->cap) {
     size_t cap = ck->cap ? ck->cap * 2 : 32;
     void *nw = realloc (ck->w, cap * sizeof *ck->w);
     if (!nw)
-      return -ENOMEM;
+      return 0;
     ck->w = nw;
     ck->cap = cap;
   }
-  buf = bcf_buf_alloc (alloc);
+  w = &ck->w[ck->nw];
+  memset (w, 0, sizeof *w);
+  if (steal) {
+    w->keys = s->k;
+    s->k = NULL;
+    s->cap = 0;
+  }
+  else if (s->nr) {
+    w->keys = malloc (s->nr * sizeof *w->keys);
+    if (!w->keys)
+      return 0;
+    memcpy (w->keys, s->k, s->nr * sizeof *w->keys);
+  }
+  w->nkeys = s->nr;
+  for (size_t i = 0; i < w->nkeys; i++)
+    words += bkey_u64s (ckey_bkey (&w->keys[i]));
+  w->seq = n->seq;
+  w->ptr0 = n->key.ptr;
+  w->len = round_block (c, BCH_BSET_HEADER_SIZE + words * 8);
+  w->off = node_bucket (c, n) * c->bucket_bytes + at;
+  w->level = n->level;
+  bcf_log (c, BCF_LOG_DEBUG, "node write: bucket %" PRIu64 " level %u at "
+           "%zu, %zu bytes, %zu keys, seq %" PRIx64, node_bucket (c, n),
+           n->level, at, w->len, w->nkeys, n->seq);
+  ck->nw++;
+  return w->len;
+}
+
+/* Phase 2, no lock: encode a captured bset into its buffer. */
+static int
+encode_bset (struct bcf_cache *c, struct node_write *w)
+{
+  uint8_t *buf, *p;
+  uint32_t words = 0;
+
+  w->alloc = w->len;
+  buf = bcf_buf_alloc (w->alloc);
   if (!buf)
     return -ENOMEM;
-  memset (buf, 0, alloc);
+  memset (buf, 0, w->alloc);
   p = buf + BCH_BSET_HEADER_SIZE;
-  for (size_t i = 0; i < s->nr; i++) {
-    size_t kb = bkey_encode (ckey_bkey (&s->k[i]), p, buf + alloc - p);
+  for (size_t i = 0; i < w->nkeys; i++) {
+    size_t kb = bkey_encode (ckey_bkey (&w->keys[i]), p, buf + w->alloc - p);
     p += kb;
     words += (uint32_t) (kb / 8);
   }
-  used = bch_bset_seal (buf, alloc, bch_bset_magic (&c->sb), n->seq, words,
-                        n->key.ptr);
-  len = round_block (c, used);
-  bcf_log (c, BCF_LOG_DEBUG, "node write: bucket %" PRIu64 " level %u at "
-           "%zu, %zu bytes, %zu keys, seq %" PRIx64, node_bucket (c, n),
-           n->level, at, len, s->nr, n->seq);
-  ck->w[ck->nw++] = (struct node_write) {
-    .buf = buf, .alloc = alloc, .len = len,
-    .off = node_bucket (c, n) * c->bucket_bytes + at, .level = n->level,
-  };
+  bch_bset_seal (buf, w->alloc, bch_bset_magic (&c->sb), w->seq, words,
+                 w->ptr0);
+  w->buf = buf;
   return 0;
 }
 
@@ -925,18 +961,21 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     if ((r = relocate_node (c, n)) < 0)
       return s->err = r;
   if (n->rewrite) {
-    r = encode_bset (c, s->ck, n, &n->keys, 0);
-    n->written = r == 0 ? s->ck->w[s->ck->nw - 1].len : 0;
+    size_t len = capture_bset (c, s->ck, n, &n->keys, false, 0);
+    if (!len)
+      return s->err = -ENOMEM;
+    n->written = len;
+    keyset_clear (&n->open);
   }
   else {
-    r = encode_bset (c, s->ck, n, &n->open, n->written);
-    if (r == 0)
-      n->written += s->ck->w[s->ck->nw - 1].len;
+    size_t len = capture_bset (c, s->ck, n, &n->open, true, n->written);
+    if (!len)
+      return s->err = -ENOMEM;
+    n->written += len;
+    keyset_free (&n->open);
+    keyset_init (&n->open, n->level == 0);
   }
-  if (r < 0)
-    return s->err = r;
   n->rewrite = false;
-  keyset_clear (&n->open);
   return 0;
 }
 
@@ -986,8 +1025,11 @@ split_oversized (struct bcf_cache *c)
 static void
 ckpt_free (struct ckpt *ck)
 {
-  for (size_t i = 0; i < ck->nw; i++)
-    bcf_buf_free (ck->w[i].buf, ck->w[i].alloc);
+  for (size_t i = 0; i < ck->nw; i++) {
+    if (ck->w[i].buf)
+      bcf_buf_free (ck->w[i].buf, ck->w[i].alloc);
+    free (ck->w[i].keys);
+  }
   free (ck->w);
 }
 
@@ -1068,11 +1110,16 @@ btree_checkpoint (struct bcf_cache *c)
     return r == -EAGAIN ? -ENOSPC : r;
   }
 
-  /* Phase 2: data first, then nodes level by level, each level flushed
-   * before its parents are written. */
+  /* Phase 2: encode what the snapshot captured (no lock held: lookups and
+   * inserts go on), then data first, then nodes level by level, each
+   * level flushed before its parents are written. */
+  r = 0;
+  for (i = 0; i < ck.nw && r == 0; i++)
+    r = encode_bset (c, &ck.w[i]);
   if (ck.nw)
     qsort (ck.w, ck.nw, sizeof *ck.w, cmp_level);
-  r = bcf_io_flush (c->io);
+  if (r == 0)
+    r = bcf_io_flush (c->io);
   for (i = 0; i < ck.nw && r == 0; i = j) {
     struct bcf_io_seg segs[64];
     unsigned n = 0;
