@@ -497,12 +497,18 @@ btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
 
 /* ---- the node cache -------------------------------------------------------- */
 
+/* The LRU clock is the checkpoint epoch, not a counter bumped per use:
+ * a lookup must not write a cache line every other lookup also writes.
+ * Eviction runs at checkpoints, so "used since the last one" is the
+ * resolution it needs.  The node's line is written only when the epoch
+ * moved.  Callers hold tree_lock (read or write); epoch changes only under
+ * the write lock, and last_use is atomic because readers store to it
+ * concurrently. */
 void
 btree_touch (struct bcf_cache *c, struct btree_node *n)
 {
-  __atomic_store_n (&n->last_use,
-                    __atomic_add_fetch (&c->tree.tick, 1, __ATOMIC_RELAXED),
-                    __ATOMIC_RELAXED);
+  if (__atomic_load_n (&n->last_use, __ATOMIC_RELAXED) != c->tree.epoch)
+    __atomic_store_n (&n->last_use, c->tree.epoch, __ATOMIC_RELAXED);
 }
 
 bool

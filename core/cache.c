@@ -50,6 +50,14 @@ bcf_now_ns (void)
 }
 
 void
+bcf_sleep_ms (unsigned ms)
+{
+  struct timespec ts = { .tv_sec = ms / 1000,
+                         .tv_nsec = (long) (ms % 1000) * 1000000 };
+  nanosleep (&ts, NULL);
+}
+
+void
 bcf_log (struct bcf_cache *c, enum bcf_log_level level, const char *fmt, ...)
 {
   char msg[512];
@@ -729,14 +737,6 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
 
 void *gc_thread (void *arg);
 
-static void
-sleep_ms (unsigned ms)
-{
-  struct timespec ts = { .tv_sec = ms / 1000,
-                         .tv_nsec = (long) (ms % 1000) * 1000000 };
-  nanosleep (&ts, NULL);
-}
-
 /* Journal timer: write the open entry every journal_delay_ms; commit the
  * btree when the journal is half full, so foreground inserts rarely have
  * to. */
@@ -747,7 +747,7 @@ journal_thread (void *arg)
   unsigned delay = c->opts.journal_delay_ms ? c->opts.journal_delay_ms : 100;
 
   while (!c->stopping) {
-    sleep_ms (delay);
+    bcf_sleep_ms (delay);
     if (c->failed)
       continue;
     bcf_flush (c);
@@ -774,7 +774,7 @@ alloc_thread (void *arg)
     pthread_mutex_unlock (&a->lock);
     if (low && !c->failed && alloc_refill (c) == 0)
       continue;
-    sleep_ms (20);
+    bcf_sleep_ms (20);
   }
   bcf_io_thread_cleanup ();
   return NULL;

@@ -173,7 +173,7 @@ struct btree_node {
   bool evicted;             /* clean leaf whose keys were dropped from
                                memory: load it (btree_load_evicted) before
                                use */
-  uint64_t last_use;        /* node cache LRU tick (atomic) */
+  uint64_t last_use;        /* epoch of the last use (LRU; atomic) */
   struct btree_node *hash_next;
 };
 
@@ -190,7 +190,6 @@ struct btree {
   struct { uint64_t bucket; uint64_t epoch; } *dead;
   size_t ndead, dead_cap;
   uint64_t epoch;             /* incremented at each checkpoint snapshot */
-  uint64_t tick;              /* node cache LRU clock (atomic) */
   size_t cache_bytes;         /* key memory of loaded nodes (last count) */
   uint64_t evictions, loads;  /* node cache counters (atomic) */
 };
@@ -396,6 +395,7 @@ void bcf_log (struct bcf_cache *c, enum bcf_log_level level,
 void bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t,
                       uint64_t ns);
 uint64_t bcf_now_ns (void);
+void bcf_sleep_ms (unsigned ms);
 
 /* Pointer helpers. */
 static inline uint64_t

@@ -43,7 +43,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "engine.h"
 
@@ -182,14 +181,6 @@ gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
   return 0;
 }
 
-static void
-sleep_ms (unsigned ms)
-{
-  struct timespec ts = { .tv_sec = ms / 1000,
-                         .tv_nsec = (long) (ms % 1000) * 1000000 };
-  nanosleep (&ts, NULL);
-}
-
 /* Apply the pass's marks.  Under alloc.lock. */
 static void
 pass_finish (struct bcf_cache *c, struct gc_pass *p)
@@ -278,7 +269,7 @@ gc_pass (struct bcf_cache *c, bool pace)
       c->gc.slice_hook (c, slice, c->gc.slice_hook_opaque);
     slice++;
     if (pace && !done)
-      sleep_ms (atomic_load (&c->alloc.waiting) ? GC_SLEEP_WAIT_MS
+      bcf_sleep_ms (atomic_load (&c->alloc.waiting) ? GC_SLEEP_WAIT_MS
                 : GC_SLEEP_MS);
   }
 
