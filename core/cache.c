@@ -172,6 +172,34 @@ bcf_cache_close (struct bcf_cache *c)
   return r;
 }
 
+int
+bcf_cache_abandon (struct bcf_cache *c)
+{
+  uint64_t dirty;
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  pthread_rwlock_rdlock (&c->tree_lock);
+  dirty = btree_dirty_sectors (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  if (dirty > 0)
+    return -EBUSY;
+  /* From here on every update fails, and close writes nothing. */
+  c->failed = true;
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = super_abandon (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  if (r < 0)
+    bcf_log (c, BCF_LOG_ERROR, "cannot mark the cache device %s as abandoned "
+             "(%s): reformat it (bcache-format=force) before using it again, "
+             "its contents may be stale", c->opts.path, strerror (-r));
+  else
+    bcf_log (c, BCF_LOG_WARN, "cache device %s abandoned: the next open "
+             "starts with an empty cache", c->opts.path);
+  return r;
+}
+
 struct bcf_io *
 bcf_cache_test_io (struct bcf_cache *c)
 {
@@ -199,6 +227,24 @@ unsigned
 bcf_cache_block_size (const struct bcf_cache *c)
 {
   return c->block_bytes;
+}
+
+const struct bch_sb *
+bcf_cache_super (const struct bcf_cache *c)
+{
+  return &c->sb;
+}
+
+const char *
+bcf_cache_io_name (const struct bcf_cache *c)
+{
+  return bcf_io_mode_name (c->io);
+}
+
+bool
+bcf_cache_io_direct (const struct bcf_cache *c)
+{
+  return bcf_io_direct (c->io);
 }
 
 uint64_t
@@ -737,6 +783,21 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
 
 void *gc_thread (void *arg);
 
+/* Has anything been journalled since the last btree commit?  A commit
+ * writes one entry (seq last_seq) and opens the next; without this check
+ * a small journal (2 buckets: the current one alone is half) would be
+ * committed again every tick while idle. */
+static bool
+journal_has_new_entries (struct bcf_cache *c)
+{
+  bool r;
+
+  pthread_mutex_lock (&c->journal.lock);
+  r = c->journal.seq > c->journal.last_seq + 1;
+  pthread_mutex_unlock (&c->journal.lock);
+  return r;
+}
+
 /* Journal timer: write the open entry every journal_delay_ms; commit the
  * btree when the journal is half full, so foreground inserts rarely have
  * to. */
@@ -751,7 +812,7 @@ journal_thread (void *arg)
     if (c->failed)
       continue;
     bcf_flush (c);
-    if (journal_used_percent (c) >= 50)
+    if (journal_used_percent (c) >= 50 && journal_has_new_entries (c))
       bcf_cache_checkpoint (c);
   }
   bcf_io_thread_cleanup ();

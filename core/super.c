@@ -125,6 +125,15 @@ write_super (struct bcf_cache *c)
   return r;
 }
 
+/* Clear CACHE_SYNC on disk, so the next open runs first registration
+ * (starts empty) instead of trusting keys.  See bcf_cache_abandon. */
+int
+super_abandon (struct bcf_cache *c)
+{
+  c->sb.flags &= ~BCH_CACHE_SYNC;
+  return write_super (c);
+}
+
 /* ---- uuids ------------------------------------------------------------------ */
 
 static void

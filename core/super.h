@@ -11,5 +11,6 @@ struct bcf_cache;
 int super_open (struct bcf_cache *c, char *err, size_t errlen);
 /* Free what super_open built. */
 void super_close_state (struct bcf_cache *c);
+int super_abandon (struct bcf_cache *c);
 
 #endif

@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "bcachefilter/backing.h"
+#include "bcachefilter/format.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -86,12 +87,27 @@ int bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
  * on close being called: recovery handles a crash at any point. */
 int bcf_cache_close (struct bcf_cache *c);
 
+/* Give the cache up (the request path saw too many device errors, or an
+ * invalidation could not be journalled): stop using it and clear
+ * CACHE_SYNC in the superblock, so the next open starts with an empty
+ * cache instead of keys whose invalidations may be missing (I2).  Refused
+ * with -EBUSY while the cache holds dirty data (it must not be dropped).
+ * Returns 0, or -errno if the superblock could not be written: then the
+ * device must be reformatted before it is used again, and the caller must
+ * say so. */
+int bcf_cache_abandon (struct bcf_cache *c);
+
 /* Background threads: journal timer, allocator, GC.  Tests may instead
  * drive the work by hand (bcf_cache_journal_write, bcf_gc_run). */
 int bcf_cache_start_threads (struct bcf_cache *c);
 void bcf_cache_stop_threads (struct bcf_cache *c);
 
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
+/* The superblock as it is on disk now (read-only view). */
+const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
+/* How the device is driven: "uring" or "sync", and whether O_DIRECT. */
+const char *bcf_cache_io_name (const struct bcf_cache *c);
+bool bcf_cache_io_direct (const struct bcf_cache *c);
 uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
 
 /* ---- Reads ------------------------------------------------------------- */
