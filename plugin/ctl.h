@@ -1,0 +1,45 @@
+/* bcachefilter: the control socket (bcache-ctl=PATH).
+ *
+ * A unix stream socket, created with owner-only permissions (0600), served
+ * by one thread.  The filter supplies what the commands do through
+ * struct bcf_ctl_ops; this module owns the socket, the wire protocol
+ * (documented in ctl.c and bcachefilter-ctl(1)) and the parsing of
+ * commands, and never touches the cache itself.
+ *
+ * Commands (one per connection):
+ *   stats [--json]
+ *   set cache_mode writethrough|writearound|none|writeback
+ *   set sequential_cutoff SIZE          (bytes, or with k/M/G suffix; 0 off)
+ *   trigger_gc
+ *   show super [--json]
+ */
+#ifndef BCACHEFILTER_PLUGIN_CTL_H
+#define BCACHEFILTER_PLUGIN_CTL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+struct bcf_ctl_ops {
+  /* Write the output of the command to fp.  Return 0, or -1 with a
+   * message in err (what was wrong, and what to do). */
+  int (*stats) (FILE *fp, bool json, char *err, size_t errlen);
+  int (*set) (const char *name, const char *value, char *err, size_t errlen);
+  int (*trigger_gc) (char *err, size_t errlen);
+  int (*show_super) (FILE *fp, bool json, char *err, size_t errlen);
+};
+
+/* Check that a control socket could be created at path (length fits
+ * sun_path, the directory exists and is writable, nothing but a stale
+ * socket is there).  For .config_complete/.get_ready.  Returns 0, or -1
+ * with the reason in err. */
+int bcf_ctl_check_path (const char *path, char *err, size_t errlen);
+
+/* Create the socket and start the serving thread.  Returns 0, or -1 with
+ * the reason in err. */
+int bcf_ctl_start (const char *path, const struct bcf_ctl_ops *ops,
+                   char *err, size_t errlen);
+/* Stop the thread and remove the socket (idempotent). */
+void bcf_ctl_stop (void);
+
+#endif /* BCACHEFILTER_PLUGIN_CTL_H */

@@ -1,0 +1,435 @@
+/* bcachefilter-ctl: talk to a running filter through its control socket.
+ *
+ * Design
+ * ------
+ * The filter (nbdkit ... bcache-ctl=PATH) serves a unix socket; the wire
+ * protocol is in plugin/ctl.c and bcachefilter-ctl(1): one command line
+ * per connection, answered by "ok\n" and the output, or by one line
+ * "error: MESSAGE\n", then the server closes.
+ *
+ * This tool checks the shape of the command line (the command and the
+ * number of arguments: usage errors are found before connecting), joins
+ * the words into the command line, sends it, reads the whole answer
+ * (bounded by a timeout) and prints the output.  The values themselves
+ * (mode names, sizes) are checked by the server, which knows what the
+ * filter supports; its message is passed on.  A word may not contain
+ * white space or control characters, which the one-line protocol cannot
+ * carry.
+ *
+ * The socket is -s/--socket PATH, else $BCACHEFILTER_CTL.
+ *
+ * Exit status (also in bcachefilter-ctl(1)):
+ *   0  ok
+ *   1  the filter answered with an error (printed on stderr), or the
+ *      answer was lost, malformed or late, or the output cannot be written
+ *   2  usage error
+ *   3  cannot connect to the socket
+ */
+
+#include <config.h>
+
+#include <errno.h>
+#include <getopt.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#define PROGRAM_NAME "bcachefilter-ctl"
+#define SOCKET_ENV   "BCACHEFILTER_CTL"
+
+/* Time allowed for the whole exchange.  The filter answers at once
+ * except for commands that have to wait for the cache (trigger_gc may
+ * wait for a garbage collection already running). */
+#define REPLY_TIMEOUT_MS 60000
+/* The server accepts lines of up to 4095 bytes. */
+#define MAX_LINE 4095
+
+enum {
+  EXIT_OK      = 0,
+  EXIT_ERROR   = 1,     /* the filter's error, or a broken exchange */
+  EXIT_USAGE   = 2,
+  EXIT_CONNECT = 3,
+};
+
+static void __attribute__ ((format (printf, 1, 2)))
+error (const char *fs, ...)
+{
+  const int saved_errno = errno;   /* for %m in fs */
+  va_list args;
+
+  fprintf (stderr, "%s: ", PROGRAM_NAME);
+  errno = saved_errno;
+  va_start (args, fs);
+  vfprintf (stderr, fs, args);
+  va_end (args);
+  fputc ('\n', stderr);
+}
+
+static void
+usage (FILE *fp)
+{
+  fprintf (fp,
+           "Usage: %s [-s|--socket PATH] COMMAND [ARGS...]\n"
+           "       %s --help | --version\n"
+           "Control a running nbdkit bcachefilter filter through its\n"
+           "control socket (the filter's bcache-ctl=PATH parameter).\n"
+           "\n"
+           "Commands:\n"
+           "  stats [--json]              hit, miss and bypass counters\n"
+           "  set cache_mode MODE         writethrough, writeback,\n"
+           "                              writearound or none\n"
+           "  set sequential_cutoff SIZE  bytes, or with a k, M or G suffix;\n"
+           "                              0 disables\n"
+           "  trigger-gc                  start a garbage collection\n"
+           "  show super [--json]         the cache superblock\n"
+           "  help                        the commands the filter knows\n"
+           "Options:\n"
+           "  -s, --socket PATH  the control socket (default: $%s)\n"
+           "  -h, --help         print this help and exit\n"
+           "  -V, --version      print the version and exit\n"
+           "\n"
+           "Exit status: 0 ok, 1 the filter reported an error, 2 usage error,\n"
+           "3 cannot connect.  See bcachefilter-ctl(1).\n",
+           PROGRAM_NAME, PROGRAM_NAME, SOCKET_ENV);
+}
+
+static int __attribute__ ((format (printf, 1, 2)))
+usage_error (const char *fs, ...)
+{
+  va_list args;
+
+  fprintf (stderr, "%s: ", PROGRAM_NAME);
+  va_start (args, fs);
+  vfprintf (stderr, fs, args);
+  va_end (args);
+  fprintf (stderr, "\nTry '%s --help'.\n", PROGRAM_NAME);
+  return EXIT_USAGE;
+}
+
+/* ------------------------------------------------------------------------
+ * The command line to send
+ * ------------------------------------------------------------------------ */
+
+static bool
+is_json (const char *arg)
+{
+  return strcmp (arg, "--json") == 0;
+}
+
+/* Check the command words; on success the words to send are
+ * args[0..nargs), with args[0] possibly rewritten (trigger-gc). */
+static int
+check_command (int nargs, char **args)
+{
+  const char *cmd = args[0];
+
+  if (strcmp (cmd, "stats") == 0) {
+    if (nargs == 1 || (nargs == 2 && is_json (args[1])))
+      return -1;
+    return usage_error ("usage: stats [--json]");
+  }
+  if (strcmp (cmd, "set") == 0) {
+    if (nargs != 3)
+      return usage_error ("usage: set cache_mode MODE, or set "
+                          "sequential_cutoff SIZE");
+    if (strcmp (args[1], "cache_mode") != 0 &&
+        strcmp (args[1], "sequential_cutoff") != 0)
+      return usage_error ("set: unknown setting '%s': valid settings are "
+                          "cache_mode and sequential_cutoff", args[1]);
+    return -1;
+  }
+  if (strcmp (cmd, "trigger-gc") == 0 || strcmp (cmd, "trigger_gc") == 0) {
+    if (nargs != 1)
+      return usage_error ("usage: trigger-gc (no arguments)");
+    args[0] = (char *) "trigger_gc";
+    return -1;
+  }
+  if (strcmp (cmd, "show") == 0) {
+    if ((nargs == 2 || (nargs == 3 && is_json (args[2]))) &&
+        strcmp (args[1], "super") == 0)
+      return -1;
+    return usage_error ("usage: show super [--json]");
+  }
+  if (strcmp (cmd, "help") == 0) {
+    if (nargs != 1)
+      return usage_error ("usage: help (no arguments)");
+    return -1;
+  }
+  return usage_error ("unknown command '%s': valid commands are stats, "
+                      "set, trigger-gc, show super and help", cmd);
+}
+
+/* Join the words into *linep = "w1 w2 ...\n".  Returns -1 to continue,
+ * else the exit status (after a message). */
+static int
+make_line (int nargs, char **args, char **linep)
+{
+  size_t len = 0;
+  char *line, *p;
+
+  for (int i = 0; i < nargs; i++) {
+    if (args[i][0] == '\0')
+      return usage_error ("empty argument");
+    for (const char *c = args[i]; *c; c++)
+      if ((unsigned char) *c <= ' ' || (unsigned char) *c >= 0x7f)
+        return usage_error ("argument '%s': only printable ASCII without "
+                            "spaces can be sent", args[i]);
+    len += strlen (args[i]) + 1;
+  }
+  if (len > MAX_LINE)
+    return usage_error ("the command is too long (%zu bytes, at most %d)",
+                        len, MAX_LINE);
+  line = p = malloc (len + 1);
+  if (line == NULL) {
+    error ("out of memory");
+    return EXIT_ERROR;
+  }
+  for (int i = 0; i < nargs; i++) {
+    size_t n = strlen (args[i]);
+
+    memcpy (p, args[i], n);
+    p += n;
+    *p++ = i + 1 < nargs ? ' ' : '\n';
+  }
+  *p = '\0';
+  *linep = line;
+  return -1;
+}
+
+/* ------------------------------------------------------------------------
+ * The exchange
+ * ------------------------------------------------------------------------ */
+
+static uint64_t
+now_ms (void)
+{
+  struct timespec ts;
+
+  clock_gettime (CLOCK_MONOTONIC, &ts);
+  return (uint64_t) ts.tv_sec * 1000 + (uint64_t) ts.tv_nsec / 1000000;
+}
+
+/* Wait for events on fd until the deadline: 1 ready, 0 timeout, -1
+ * error. */
+static int
+wait_fd (int fd, short events, uint64_t deadline)
+{
+  for (;;) {
+    struct pollfd pfd = { .fd = fd, .events = events };
+    uint64_t now = now_ms ();
+    int r;
+
+    if (now >= deadline)
+      return 0;
+    r = poll (&pfd, 1, (int) (deadline - now));
+    if (r == -1 && errno == EINTR)
+      continue;
+    return r > 0 ? 1 : r;
+  }
+}
+
+static int
+connect_socket (const char *path)
+{
+  struct sockaddr_un sun = { .sun_family = AF_UNIX };
+  int fd;
+
+  if (strlen (path) >= sizeof sun.sun_path) {
+    error ("%s: the socket path is too long (at most %zu bytes)", path,
+           sizeof sun.sun_path - 1);
+    return -1;
+  }
+  memcpy (sun.sun_path, path, strlen (path) + 1);
+  fd = socket (AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd == -1) {
+    error ("socket: %m");
+    return -1;
+  }
+  if (connect (fd, (struct sockaddr *) &sun, sizeof sun) == -1) {
+    error ("cannot connect to %s: %m (is nbdkit running with "
+           "bcache-ctl=%s?)", path, path);
+    close (fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* Send line and read the whole answer into *reply (NUL-terminated).
+ * Returns 0, or -1 after a message. */
+static int
+exchange (int fd, const char *path, const char *line, char **reply,
+          size_t *replylen)
+{
+  const uint64_t deadline = now_ms () + REPLY_TIMEOUT_MS;
+  size_t len = strlen (line), have = 0, cap = 4096;
+  char *buf;
+
+  while (len > 0) {
+    ssize_t n = send (fd, line, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+
+    if (n == -1) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (wait_fd (fd, POLLOUT, deadline) != 1) {
+          error ("%s: timed out sending the command", path);
+          return -1;
+        }
+        continue;
+      }
+      error ("%s: sending the command: %m", path);
+      return -1;
+    }
+    line += n;
+    len -= (size_t) n;
+  }
+
+  buf = malloc (cap);
+  if (buf == NULL) {
+    error ("out of memory");
+    return -1;
+  }
+  for (;;) {
+    ssize_t n;
+    int w;
+
+    if (have + 1 == cap) {
+      char *nbuf = realloc (buf, cap * 2);
+
+      if (nbuf == NULL) {
+        free (buf);
+        error ("out of memory");
+        return -1;
+      }
+      buf = nbuf;
+      cap *= 2;
+    }
+    w = wait_fd (fd, POLLIN, deadline);
+    if (w != 1) {
+      free (buf);
+      if (w == 0)
+        error ("%s: no answer within %d seconds", path,
+               REPLY_TIMEOUT_MS / 1000);
+      else
+        error ("%s: poll: %m", path);
+      return -1;
+    }
+    n = recv (fd, buf + have, cap - have - 1, MSG_DONTWAIT);
+    if (n == 0)
+      break;
+    if (n == -1) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+        continue;
+      /* The server may reset the connection after answering; keep what
+       * was read. */
+      if (errno == ECONNRESET && have > 0)
+        break;
+      free (buf);
+      error ("%s: reading the answer: %m", path);
+      return -1;
+    }
+    have += (size_t) n;
+  }
+  buf[have] = '\0';
+  *reply = buf;
+  *replylen = have;
+  return 0;
+}
+
+/* Print the answer; returns the exit status. */
+static int
+print_reply (const char *path, const char *reply, size_t len)
+{
+  const char *nl = memchr (reply, '\n', len);
+  const char *body;
+  size_t first;
+
+  if (len == 0) {
+    error ("%s: the filter closed the connection without answering",
+           path);
+    return EXIT_ERROR;
+  }
+  first = nl ? (size_t) (nl - reply) : len;
+  body = nl ? nl + 1 : reply + len;
+
+  if (first == 2 && memcmp (reply, "ok", 2) == 0) {
+    size_t bodylen = len - (size_t) (body - reply);
+
+    if (fwrite (body, 1, bodylen, stdout) != bodylen ||
+        fflush (stdout) != 0) {
+      error ("writing the output: %m");
+      return EXIT_ERROR;
+    }
+    return EXIT_OK;
+  }
+  if (first >= 7 && memcmp (reply, "error: ", 7) == 0) {
+    fprintf (stderr, "%s: %.*s\n", PROGRAM_NAME, (int) (first - 7),
+             reply + 7);
+    return EXIT_ERROR;
+  }
+  error ("%s: unexpected answer (not \"ok\" or \"error: ...\"): %.*s",
+         path, (int) (first > 80 ? 80 : first), reply);
+  return EXIT_ERROR;
+}
+
+int
+main (int argc, char *argv[])
+{
+  static const struct option long_options[] = {
+    { "socket",  required_argument, NULL, 's' },
+    { "help",    no_argument,       NULL, 'h' },
+    { "version", no_argument,       NULL, 'V' },
+    { NULL, 0, NULL, 0 }
+  };
+  const char *path = NULL;
+  char *line = NULL, *reply = NULL;
+  size_t replylen;
+  int c, fd, r;
+
+  /* "+": stop at the command, so that its own options ("--json") are
+   * left to it. */
+  while ((c = getopt_long (argc, argv, "+s:hV", long_options, NULL)) != -1) {
+    switch (c) {
+    case 's': path = optarg; break;
+    case 'h': usage (stdout); return EXIT_OK;
+    case 'V': printf ("%s %s\n", PROGRAM_NAME, PACKAGE_VERSION); return EXIT_OK;
+    default: usage (stderr); return EXIT_USAGE;
+    }
+  }
+  if (optind == argc)
+    return usage_error ("missing COMMAND");
+  if (path == NULL)
+    path = getenv (SOCKET_ENV);
+  if (path == NULL || path[0] == '\0')
+    return usage_error ("no control socket: give -s PATH or set $%s (the "
+                        "filter's bcache-ctl=PATH)", SOCKET_ENV);
+
+  r = check_command (argc - optind, &argv[optind]);
+  if (r >= 0)
+    return r;
+  r = make_line (argc - optind, &argv[optind], &line);
+  if (r >= 0)
+    return r;
+
+  fd = connect_socket (path);
+  if (fd == -1) {
+    free (line);
+    return EXIT_CONNECT;
+  }
+  r = exchange (fd, path, line, &reply, &replylen);
+  close (fd);
+  free (line);
+  if (r == -1)
+    return EXIT_ERROR;
+  r = print_reply (path, reply, replylen);
+  free (reply);
+  return r;
+}
