@@ -1,0 +1,577 @@
+/* bcachefilter engine: the in-flight backing-write tracker.  See
+ * bypass.h for what it is for.
+ *
+ * Layout.  One 32-bit word per 32 MiB chunk of the backing store.  The
+ * words live in 4 KiB pages of 1024 words (32 GiB of backing store per
+ * page); the page table is an array of npages atomic pointers (8 bytes
+ * per 32 GiB: 256 B per TiB) and a NULL entry means "no write registered
+ * anywhere in these 32 GiB".  A page is allocated when the first write
+ * registers in it and leaves the table again when the last one ends.
+ * Memory: page table alone when idle (plus a reserve of at most
+ * BYPASS_RESERVE pages), table + npages * 4 KiB at peak (the reserve is
+ * kept to min (BYPASS_RESERVE, npages - live pages), so it is empty when
+ * every page is live).  bcf_bypass_get_mem reports the figures.
+ *
+ * The word.  Low COUNT_BITS (12) bits: the number of writes registered
+ * in the chunk; high EPOCH_BITS (20) bits: an epoch that every
+ * registration in the chunk advances (mod 2^20).  A token remembers the
+ * word its registration produced; bcf_bypass_alone is "word unchanged and
+ * its count was 1".  Nothing but a registration changes the epoch and
+ * nothing but this writer's end can bring the count back to the recorded
+ * value without changing the epoch, so an unchanged word means nobody
+ * registered since (unless exactly a multiple of 2^20 registrations came
+ * and went in between, which we accept).  The page of a registered
+ * chunk cannot leave the table while the registration lives, so the
+ * epoch is never lost under a token.  A chunk already holding COUNT_MAX
+ * writes makes begin wait (condvar) for an end rather than overflow.
+ *
+ * Locking.  begin, end, alone and get_mem serialise on t->lock; all
+ * changes to the table and the words happen under it (made with atomic
+ * stores, because busy reads them without the lock).  begin is
+ * all-or-nothing: under the lock it first waits until no chunk of the
+ * range is full and it holds every page the range lacks, then links the
+ * pages and increments the words without dropping the lock, so a waiting
+ * begin never holds a partial registration (no deadlock between
+ * waiters).  Pages come from, in order: the retired list, malloc, the
+ * reserve (counted in reserve_uses); reserve pages that could never be
+ * needed (live + reserve = npages) are used first.  If all fail, begin
+ * unlinks the (still empty) pages it linked and waits on t->cond (woken
+ * by every end, and every 10 ms to retry malloc).  It never fails and
+ * never skips tracking.
+ * Unlinked pages refill the reserve first; the rest are retired.
+ *
+ * busy() is lock-free.  The guarantee it gives: if W does begin() and
+ * then releases a mutex M, and R later acquires M and calls busy(), R
+ * sees W's registration (unless W ended meanwhile).  Argument: W's store
+ * of the page pointer (if W linked the page) and W's store to the word
+ * are sequenced before W's unlock of M, which synchronises with R's lock
+ * of M, which is sequenced before R's loads.  So both stores happen
+ * before R's loads and by write-read coherence R's load of the pointer
+ * returns W's page or a later value of the entry, and its load of the
+ * word returns W's increment or a later value.  A later pointer value
+ * means the page was unlinked, which needs every count in it to be 0,
+ * hence W's end; a later word value is another registration or an end.
+ * (Later-unlinked pages can be relinked elsewhere, see below: a reader
+ * holding such a stale pointer reads counts of another chunk — a false
+ * "busy" at worst, and only for writes that are concurrent with it.)  So
+ * for the guarantee the word loads can be relaxed; the pointer load is
+ * acquire at least so that the zeroing of a freshly linked page (relaxed
+ * atomic stores before the release store of the pointer) is seen.
+ *
+ * Reclamation.  busy() may read a page that end() is unlinking.  Pages
+ * are only ever handed back to malloc after a grace period: busy()
+ * increments the global atomic t->readers before loading any page
+ * pointer and decrements it after its last word load; an unlinked page
+ * goes to the reserve or the retired list (never straight to free), and
+ * the retired list is freed only by a thread (holding t->lock) that
+ * loads t->readers == 0 after the unlink.  Reuse inside the tracker
+ * (reserve, retired, relinking) is safe without a grace period because
+ * every access to page memory is atomic (the retired-list link is also
+ * kept in the page's first two words with atomic stores).  Why the free
+ * is safe: the reader's increment and pointer load and the freer's
+ * unlinking store (NULL) and load of t->readers are all seq_cst, so they
+ * lie in one total order S.  If the reader's pointer load returned the
+ * page, it precedes the NULL store in S, so the reader's increment
+ * precedes the freer's readers load in S, and that load (reading the
+ * latest modification before it) can only return 0 if the reader's
+ * decrement also came before it; that decrement is a seq_cst RMW, so the
+ * load synchronises with it and the reader's word loads happen before
+ * free().  Otherwise the reader loaded NULL or a newer pointer and never
+ * touches the page.  The freer never waits for readers: if some are
+ * active, the retired pages stay (and are reused first) until a later
+ * begin, end or get_mem sees t->readers == 0.  Memory stays bounded
+ * anyway: malloc is only called when the retired list is empty and
+ * live + reserve <= npages always holds, so live + reserve + retired
+ * never exceeds npages.  A read-miss pays two atomic
+ * RMWs on a shared counter, next to a backing read of about 1 ms.
+ */
+#include "config.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bypass.h"
+
+#define CHUNK_SIZE    (UINT64_C (1) << BCF_BYPASS_CHUNK_SHIFT)
+#define PAGE_WORDS    1024
+#define PAGE_SHIFT    10              /* log2 (PAGE_WORDS) */
+#define PAGE_BYTES    (PAGE_WORDS * sizeof (uint32_t))
+#define COUNT_BITS    12
+#define COUNT_MASK    ((UINT32_C (1) << COUNT_BITS) - 1)
+#define COUNT_MAX     COUNT_MASK      /* writes one chunk can hold */
+#define BYPASS_RESERVE 4
+#define RETRY_NS      (10 * 1000 * 1000)
+
+struct page {
+  _Atomic uint32_t w[PAGE_WORDS];
+};
+
+_Static_assert (sizeof (struct page) == 4096, "a page is 4 KiB");
+
+struct bcf_bypass {
+  uint64_t size, nchunks, npages;
+  _Atomic (struct page *) *table;
+
+  /* busy() callers in flight: the reclamation grace period. */
+  _Atomic uint64_t readers;
+  atomic_bool disabled;             /* tests: busy() says false */
+
+  pthread_mutex_t lock;             /* everything below */
+  pthread_cond_t cond;              /* an end happened */
+  unsigned waiters;
+  struct page *reserve[BYPASS_RESERVE];
+  uint64_t nreserve;
+  struct page *retired;             /* linked through w[0], w[1] */
+  uint64_t nretired;
+  uint64_t live;                    /* pages in the table */
+  uint64_t peak_bytes, reserve_uses, in_flight;
+  bool fail_alloc;                  /* tests: page malloc fails */
+};
+
+/* ---- Pages (all under t->lock) ------------------------------------------ */
+
+static uint64_t
+mem_bytes (const struct bcf_bypass *t)
+{
+  return t->npages * sizeof t->table[0] +
+    (t->live + t->nreserve + t->nretired) * PAGE_BYTES;
+}
+
+static void
+note_peak (struct bcf_bypass *t)
+{
+  uint64_t b = mem_bytes (t);
+
+  if (b > t->peak_bytes)
+    t->peak_bytes = b;
+}
+
+static struct page *
+page_malloc (struct bcf_bypass *t)
+{
+  if (t->fail_alloc)
+    return NULL;
+  return malloc (sizeof (struct page));
+}
+
+static uint64_t
+reserve_target (const struct bcf_bypass *t)
+{
+  uint64_t room = t->npages - t->live;
+
+  return room < BYPASS_RESERVE ? room : BYPASS_RESERVE;
+}
+
+static void
+retire (struct bcf_bypass *t, struct page *p)
+{
+  uintptr_t next = (uintptr_t) t->retired;
+
+  /* Stale readers may still read p: atomic stores only. */
+  atomic_store_explicit (&p->w[0], (uint32_t) next, memory_order_relaxed);
+  atomic_store_explicit (&p->w[1], (uint32_t) ((uint64_t) next >> 32),
+                         memory_order_relaxed);
+  t->retired = p;
+  t->nretired++;
+}
+
+static struct page *
+unretire (struct bcf_bypass *t)
+{
+  struct page *p = t->retired;
+  uint64_t next;
+
+  if (p == NULL)
+    return NULL;
+  next = atomic_load_explicit (&p->w[0], memory_order_relaxed) |
+    (uint64_t) atomic_load_explicit (&p->w[1], memory_order_relaxed) << 32;
+  t->retired = (struct page *) (uintptr_t) next;
+  t->nretired--;
+  return p;
+}
+
+/* Free the retired pages if no busy() can still be reading them. */
+static void
+drain_retired (struct bcf_bypass *t)
+{
+  struct page *p;
+
+  if (t->retired == NULL ||
+      atomic_load_explicit (&t->readers, memory_order_seq_cst) != 0)
+    return;
+  while ((p = unretire (t)) != NULL)
+    free (p);
+}
+
+/* Keep the reserve at its target: surplus goes to the retired list,
+ * shortfall is refilled by malloc while it works. */
+static void
+reserve_adjust (struct bcf_bypass *t)
+{
+  uint64_t target = reserve_target (t);
+
+  while (t->nreserve > target)
+    retire (t, t->reserve[--t->nreserve]);
+  while (t->nreserve < target) {
+    struct page *p = unretire (t);
+
+    if (p == NULL && (p = page_malloc (t)) == NULL)
+      break;
+    t->reserve[t->nreserve++] = p;
+  }
+}
+
+/* A page to link, or NULL: from the retired list, malloc, or the
+ * reserve.  Reserve pages beyond what the unlinked slots could ever need
+ * are surplus and used first, so that live + reserve <= npages. */
+static struct page *
+page_get (struct bcf_bypass *t, uint64_t *uses)
+{
+  struct page *p;
+
+  if (t->nreserve > 0 && t->live + t->nreserve >= t->npages)
+    return t->reserve[--t->nreserve];
+  if ((p = unretire (t)) != NULL || (p = page_malloc (t)) != NULL)
+    return p;
+  if (t->nreserve > 0) {
+    (*uses)++;
+    return t->reserve[--t->nreserve];
+  }
+  return NULL;
+}
+
+static void
+page_link (struct bcf_bypass *t, uint64_t pg, struct page *p)
+{
+  for (unsigned i = 0; i < PAGE_WORDS; i++)
+    atomic_store_explicit (&p->w[i], 0, memory_order_relaxed);
+  atomic_store_explicit (&t->table[pg], p, memory_order_seq_cst);
+  t->live++;
+}
+
+/* Unlink page pg if no write is registered in it. */
+static void
+page_maybe_unlink (struct bcf_bypass *t, uint64_t pg)
+{
+  struct page *p = atomic_load_explicit (&t->table[pg], memory_order_relaxed);
+
+  for (unsigned i = 0; i < PAGE_WORDS; i++)
+    if (atomic_load_explicit (&p->w[i], memory_order_relaxed) & COUNT_MASK)
+      return;
+  atomic_store_explicit (&t->table[pg], NULL, memory_order_seq_cst);
+  t->live--;
+  if (t->nreserve < reserve_target (t))
+    t->reserve[t->nreserve++] = p;
+  else
+    retire (t, p);
+}
+
+/* ---- Ranges ------------------------------------------------------------- */
+
+/* Chunks [*first, *first + *n) overlapping [offset, offset + len),
+ * clamped to the size. */
+static void
+chunk_range (const struct bcf_bypass *t, uint64_t offset, uint64_t len,
+             uint64_t *first, uint64_t *n)
+{
+  uint64_t last;
+
+  *first = *n = 0;
+  if (len == 0 || offset >= t->size)
+    return;
+  if (len > t->size - offset)
+    len = t->size - offset;
+  *first = offset >> BCF_BYPASS_CHUNK_SHIFT;
+  last = (offset + len - 1) >> BCF_BYPASS_CHUNK_SHIFT;
+  *n = last - *first + 1;
+}
+
+static _Atomic uint32_t *
+word_of (struct bcf_bypass *t, uint64_t c)
+{
+  struct page *p = atomic_load_explicit (&t->table[c >> PAGE_SHIFT],
+                                         memory_order_relaxed);
+
+  return &p->w[c & (PAGE_WORDS - 1)];
+}
+
+/* ---- API ---------------------------------------------------------------- */
+
+struct bcf_bypass *
+bcf_bypass_new (uint64_t size)
+{
+  struct bcf_bypass *t = calloc (1, sizeof *t);
+  pthread_condattr_t ca;
+
+  if (t == NULL)
+    return NULL;
+  t->size = size;
+  t->nchunks = size / CHUNK_SIZE + (size % CHUNK_SIZE != 0);
+  t->npages = (t->nchunks + PAGE_WORDS - 1) / PAGE_WORDS;
+  if (t->npages > 0) {
+    t->table = calloc (t->npages, sizeof t->table[0]);
+    if (t->table == NULL) {
+      free (t);
+      return NULL;
+    }
+    for (uint64_t i = 0; i < t->npages; i++)
+      atomic_init (&t->table[i], NULL);
+  }
+  atomic_init (&t->readers, 0);
+  atomic_init (&t->disabled, false);
+  pthread_mutex_init (&t->lock, NULL);
+  pthread_condattr_init (&ca);
+  pthread_condattr_setclock (&ca, CLOCK_MONOTONIC);
+  pthread_cond_init (&t->cond, &ca);
+  pthread_condattr_destroy (&ca);
+  reserve_adjust (t);
+  note_peak (t);
+  return t;
+}
+
+void
+bcf_bypass_free (struct bcf_bypass *t)
+{
+  struct page *p;
+
+  if (t == NULL)
+    return;
+  for (uint64_t i = 0; i < t->npages; i++)
+    free (atomic_load_explicit (&t->table[i], memory_order_relaxed));
+  while (t->nreserve > 0)
+    free (t->reserve[--t->nreserve]);
+  while ((p = unretire (t)) != NULL)
+    free (p);
+  free (t->table);
+  pthread_cond_destroy (&t->cond);
+  pthread_mutex_destroy (&t->lock);
+  free (t);
+}
+
+static void
+wait_a_bit (struct bcf_bypass *t)
+{
+  struct timespec ts;
+
+  clock_gettime (CLOCK_MONOTONIC, &ts);
+  ts.tv_nsec += RETRY_NS;
+  if (ts.tv_nsec >= 1000000000) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000;
+  }
+  t->waiters++;
+  pthread_cond_timedwait (&t->cond, &t->lock, &ts);
+  t->waiters--;
+}
+
+/* Under the lock: is any chunk of the range full?  Missing pages count
+ * as empty. */
+static bool
+range_full (struct bcf_bypass *t, uint64_t first, uint64_t n)
+{
+  for (uint64_t c = first; c < first + n; c++) {
+    struct page *p = atomic_load_explicit (&t->table[c >> PAGE_SHIFT],
+                                           memory_order_relaxed);
+    if (p == NULL) {
+      c |= PAGE_WORDS - 1;              /* skip the page */
+      continue;
+    }
+    if ((atomic_load_explicit (&p->w[c & (PAGE_WORDS - 1)],
+                               memory_order_relaxed) & COUNT_MASK) == COUNT_MAX)
+      return true;
+  }
+  return false;
+}
+
+/* Under the lock: link a page into every page slot of the range that
+ * lacks one, all or nothing.  False (nothing changed) if pages ran out.
+ * Linking empty pages early is harmless: readers see zero counts. */
+static bool
+range_pages (struct bcf_bypass *t, uint64_t first, uint64_t n)
+{
+  uint64_t pg0 = first >> PAGE_SHIFT, pg1 = (first + n - 1) >> PAGE_SHIFT;
+  uint64_t uses = 0;
+
+  for (uint64_t pg = pg0; pg <= pg1; pg++) {
+    struct page *p;
+
+    if (atomic_load_explicit (&t->table[pg], memory_order_relaxed) != NULL)
+      continue;
+    if ((p = page_get (t, &uses)) == NULL) {
+      /* Outside begin's critical section every linked page holds a
+       * registration, so the empty pages before pg are the ones we
+       * just linked: take them out again. */
+      for (uint64_t q = pg0; q < pg; q++)
+        page_maybe_unlink (t, q);
+      return false;
+    }
+    page_link (t, pg, p);
+  }
+  t->reserve_uses += uses;      /* only for a begin that went through */
+  return true;
+}
+
+void
+bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
+                  struct bcf_bypass_token *tok)
+{
+  uint64_t first, n;
+
+  chunk_range (t, offset, len, &first, &n);
+  tok->first = first;
+  tok->nchunks = n;
+  memset (tok->word, 0, sizeof tok->word);
+
+  pthread_mutex_lock (&t->lock);
+  t->in_flight++;
+  if (n == 0) {
+    pthread_mutex_unlock (&t->lock);
+    return;
+  }
+  for (;;) {
+    if (range_full (t, first, n)) {
+      wait_a_bit (t);
+      continue;
+    }
+    if (range_pages (t, first, n))
+      break;
+    /* Out of pages: let the retired ones go if possible, then wait for
+     * an end (or 10 ms, for malloc to work again). */
+    drain_retired (t);
+    wait_a_bit (t);
+  }
+  for (uint64_t c = first; c < first + n; c++) {
+    _Atomic uint32_t *w = word_of (t, c);
+    uint32_t old = atomic_load_explicit (w, memory_order_relaxed);
+    uint32_t nw = (((old >> COUNT_BITS) + 1) << COUNT_BITS) |
+      ((old & COUNT_MASK) + 1);
+
+    atomic_store_explicit (w, nw, memory_order_relaxed);
+    if (c - first < BCF_BYPASS_TOKEN_CHUNKS)
+      tok->word[c - first] = nw;
+  }
+  reserve_adjust (t);
+  drain_retired (t);
+  note_peak (t);
+  pthread_mutex_unlock (&t->lock);
+}
+
+void
+bcf_bypass_end (struct bcf_bypass *t, const struct bcf_bypass_token *tok)
+{
+  uint64_t first = tok->first, n = tok->nchunks;
+  bool page_emptied = false;
+
+  pthread_mutex_lock (&t->lock);
+  t->in_flight--;
+  for (uint64_t c = first; c < first + n; c++) {
+    _Atomic uint32_t *w = word_of (t, c);
+    uint32_t old = atomic_load_explicit (w, memory_order_relaxed);
+
+    atomic_store_explicit (w, old - 1, memory_order_relaxed);
+    if ((old & COUNT_MASK) == 1)
+      page_emptied = true;
+    /* At the last chunk of each page, unlink it if now empty. */
+    if (page_emptied &&
+        ((c & (PAGE_WORDS - 1)) == PAGE_WORDS - 1 || c == first + n - 1)) {
+      page_maybe_unlink (t, c >> PAGE_SHIFT);
+      page_emptied = false;
+    }
+  }
+  if (n > 0) {
+    reserve_adjust (t);
+    drain_retired (t);
+  }
+  if (t->waiters)
+    pthread_cond_broadcast (&t->cond);
+  pthread_mutex_unlock (&t->lock);
+}
+
+bool
+bcf_bypass_busy (struct bcf_bypass *t, uint64_t offset, uint64_t len)
+{
+  uint64_t first, n;
+  bool busy = false;
+
+  if (atomic_load_explicit (&t->disabled, memory_order_relaxed))
+    return false;
+  chunk_range (t, offset, len, &first, &n);
+  if (n == 0)
+    return false;
+
+  atomic_fetch_add_explicit (&t->readers, 1, memory_order_seq_cst);
+  for (uint64_t c = first; c < first + n && !busy; ) {
+    uint64_t pg = c >> PAGE_SHIFT;
+    uint64_t pg_end = (pg + 1) << PAGE_SHIFT;
+    uint64_t stop = first + n < pg_end ? first + n : pg_end;
+    struct page *p = atomic_load_explicit (&t->table[pg],
+                                           memory_order_seq_cst);
+
+    if (p != NULL) {
+      for (; c < stop; c++)
+        if (atomic_load_explicit (&p->w[c & (PAGE_WORDS - 1)],
+                                  memory_order_relaxed) & COUNT_MASK) {
+          busy = true;
+          break;
+        }
+    }
+    c = stop;
+  }
+  atomic_fetch_sub_explicit (&t->readers, 1, memory_order_seq_cst);
+  return busy;
+}
+
+bool
+bcf_bypass_alone (struct bcf_bypass *t, const struct bcf_bypass_token *tok)
+{
+  bool alone = true;
+
+  /* Nothing registered (empty range) or too much to remember: unsure. */
+  if (tok->nchunks == 0 || tok->nchunks > BCF_BYPASS_TOKEN_CHUNKS)
+    return false;
+  /* The token's own registration keeps its pages linked, so no grace
+   * period is needed; the lock orders us against begin/end. */
+  pthread_mutex_lock (&t->lock);
+  for (uint64_t i = 0; i < tok->nchunks; i++) {
+    uint32_t now = atomic_load_explicit (word_of (t, tok->first + i),
+                                         memory_order_relaxed);
+    if ((tok->word[i] & COUNT_MASK) != 1 || now != tok->word[i]) {
+      alone = false;
+      break;
+    }
+  }
+  pthread_mutex_unlock (&t->lock);
+  return alone;
+}
+
+void
+bcf_bypass_get_mem (struct bcf_bypass *t, struct bcf_bypass_mem *m)
+{
+  pthread_mutex_lock (&t->lock);
+  drain_retired (t);
+  m->bytes = mem_bytes (t);
+  m->peak_bytes = t->peak_bytes;
+  m->pages = t->live;
+  m->reserve_pages = t->nreserve;
+  m->reserve_uses = t->reserve_uses;
+  m->in_flight = t->in_flight;
+  pthread_mutex_unlock (&t->lock);
+}
+
+void
+bcf_bypass_test_disable (struct bcf_bypass *t, bool disabled)
+{
+  atomic_store (&t->disabled, disabled);
+}
+
+void
+bcf_bypass_test_fail_alloc (struct bcf_bypass *t, bool fail)
+{
+  pthread_mutex_lock (&t->lock);
+  t->fail_alloc = fail;
+  pthread_mutex_unlock (&t->lock);
+}
