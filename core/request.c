@@ -1,0 +1,704 @@
+/* bcachefilter engine: the request path (include/bcachefilter/request.h).
+ *
+ * Design
+ * ------
+ * Client requests may have any offset and length; the engine works in
+ * whole cache blocks.  A request is widened to the blocks it touches (the
+ * "span").  Reads of a span that is not the request itself go through a
+ * bounce buffer, so a 512-byte read still caches its block.  Writes,
+ * trims and zeroes invalidate the whole span (dropping more than was
+ * written is always safe) and only the blocks the request covers
+ * entirely can be inserted.  The tail of a backing store whose size is
+ * not a multiple of the block size is never cached.
+ *
+ * Read: plan with bcf_lookup; hits are read from the cache device (a
+ * pointer that went stale meanwhile, or a device error, is served from
+ * the backing store instead); misses follow the cache-miss protocol:
+ *
+ *   1. bcf_miss_begin inserts a check key over the missed range;
+ *   2. the in-flight write tracker is consulted: a write that overlaps
+ *      and is in flight means the backing store is changing, so the check
+ *      key is dropped and the data is not cached;
+ *   3. the backing store is read and the data copied for the client;
+ *   4. bcf_miss_fill writes the data to the cache and replace-inserts it
+ *      against the check key; it fails (a miss collision) if anything
+ *      touched the range since step 1.
+ *
+ * Write (every mode): the backing write is registered in the tracker for
+ * its whole duration, and the span is invalidated durably before the
+ * backing write is issued:
+ *
+ *   W1. bcf_bypass_begin (tracker raised);
+ *   W2. bcf_invalidate (span, durable): removes cached data and any check
+ *       key, journalled where anything was cached;
+ *   W3. writethrough only: bcf_miss_begin, a check key of our own over
+ *       the whole blocks of the request;
+ *   W4. the backing write;
+ *   W5. writethrough only: if this writer was alone in its chunks for its
+ *       whole life (bcf_bypass_alone), bcf_miss_fill inserts the data as
+ *       clean against our check key, else the check key is dropped;
+ *   W6. bcf_bypass_end.
+ *
+ * Why no read can cache data older than the backing store (I1, I2).  The
+ * btree lock orders every check-key insert (step 1, W3) against every
+ * invalidation (W2).  Take a read miss R over a range a write W changes.
+ *  - R's check key went in before W's invalidation: W2 removes it, so
+ *    R's fill collides; nothing is cached.
+ *  - R's check key went in after W2: W1 happened before W2, which
+ *    released the btree lock after it; step 1 acquired that lock after,
+ *    so R's tracker check (step 2, after step 1) sees W registered,
+ *    unless W already reached W6 — and then W's backing write completed
+ *    before R read the backing store (step 3 is after step 2), so R
+ *    reads W's data or newer.
+ * Without the tracker the second case is the seed race: R reads the
+ * backing store before W4 lands and its fill succeeds with old data.
+ *
+ * Why writethrough inserts are never older than the backing store.  Two
+ * overlapping writes W and V may reach the backing store in either order,
+ * so W inserts only if no other write was registered in its chunks at
+ * any time during its life (alone: nobody registered at W1, nobody since).
+ * A writer V that registers after W5's check invalidates (V2) after it,
+ * which removes W's check key (fill collides) or W's clean key (V2 after
+ * the fill); V's data is then the newest in the backing store.
+ *
+ * Cache-device errors never fail a request the backing store can serve:
+ * they are counted, the affected range is invalidated, and the request is
+ * served from the backing store.  After error_limit errors, or if an
+ * invalidation cannot be journalled (then the cache could bring old data
+ * back after a crash), the cache is abandoned: bcf_cache_abandon marks it
+ * so the next open starts empty, and from then on everything passes
+ * through to the backing store.  If even that mark cannot be written, it
+ * is tried again before every later change to the backing store, so a
+ * device that recovers is marked before more writes pass it by.
+ *
+ * Bypass: mode none bypasses everything, writearound every write, and the
+ * sequential cutoff (bcache's) any request continuing a stream of at
+ * least cutoff bytes.  Bypassed reads still read hits from the cache; they
+ * only do not insert misses.
+ *
+ * Locking: none of its own beyond atomics; the engine, the tracker, the
+ * stream table and the counters are each safe for many threads.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bcachefilter/request.h"
+#include "bypass.h"
+#include "seqdetect.h"
+
+#define PLAN_EXTENTS 16
+#define PREFETCH_CHUNK (1u << 20)
+#define DEFAULT_ERROR_LIMIT 64
+
+struct bcf_req {
+  struct bcf_cache *c;
+  struct bcf_bypass *tracker;
+  struct bcf_seqdetect *seq;
+  struct bcf_stats *stats;
+  uint64_t block;               /* cache block size, bytes */
+  uint64_t size;                /* backing store size */
+  uint64_t cache_end;           /* size rounded down to a block */
+  unsigned error_limit;
+  _Atomic int mode;
+  _Atomic uint64_t cutoff;
+  _Atomic uint64_t device_errors;
+  atomic_bool passthrough;
+  atomic_bool abandoned;        /* the device knows it was given up */
+  pthread_mutex_t abandon_lock;
+  atomic_bool tracker_disabled; /* tests only */
+};
+
+/* What the request path decided about one request. */
+struct span {
+  uint64_t start, end;          /* whole blocks, clamped to cache_end */
+};
+
+int
+bcf_cache_mode_parse (const char *name)
+{
+  static const char *const names[] = {
+    [BCF_MODE_WRITETHROUGH] = "writethrough",
+    [BCF_MODE_WRITEBACK] = "writeback",
+    [BCF_MODE_WRITEAROUND] = "writearound",
+    [BCF_MODE_NONE] = "none",
+  };
+
+  for (int i = 0; i < (int) (sizeof names / sizeof names[0]); i++)
+    if (strcmp (name, names[i]) == 0)
+      return i;
+  return -1;
+}
+
+const char *
+bcf_cache_mode_name (enum bcf_cache_mode m)
+{
+  switch (m) {
+  case BCF_MODE_WRITETHROUGH: return "writethrough";
+  case BCF_MODE_WRITEBACK: return "writeback";
+  case BCF_MODE_WRITEAROUND: return "writearound";
+  case BCF_MODE_NONE: return "none";
+  }
+  return "unknown";
+}
+
+struct bcf_req *
+bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
+{
+  struct bcf_req *r = calloc (1, sizeof *r);
+
+  if (!r)
+    return NULL;
+  pthread_mutex_init (&r->abandon_lock, NULL);
+  r->c = c;
+  r->block = bcf_cache_block_size (c);
+  r->size = bcf_cache_backing_size (c);
+  r->cache_end = r->size / r->block * r->block;
+  r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
+  r->tracker = bcf_bypass_new (r->size);
+  r->seq = bcf_seqdetect_new ();
+  r->stats = bcf_stats_new ();
+  if (!r->tracker || !r->seq || !r->stats ||
+      bcf_req_set_mode (r, o->mode) < 0) {
+    bcf_req_free (r);
+    return NULL;
+  }
+  atomic_store (&r->cutoff, o->sequential_cutoff);
+  return r;
+}
+
+void
+bcf_req_free (struct bcf_req *r)
+{
+  if (!r)
+    return;
+  bcf_bypass_free (r->tracker);
+  bcf_seqdetect_free (r->seq);
+  bcf_stats_free (r->stats);
+  pthread_mutex_destroy (&r->abandon_lock);
+  free (r);
+}
+
+int
+bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m)
+{
+  switch (m) {
+  case BCF_MODE_WRITETHROUGH:
+  case BCF_MODE_WRITEAROUND:
+  case BCF_MODE_NONE:
+    atomic_store (&r->mode, (int) m);
+    return 0;
+  case BCF_MODE_WRITEBACK:
+    return -ENOTSUP;
+  }
+  return -EINVAL;
+}
+
+enum bcf_cache_mode
+bcf_req_mode (struct bcf_req *r)
+{
+  return (enum bcf_cache_mode) atomic_load (&r->mode);
+}
+
+void
+bcf_req_set_sequential_cutoff (struct bcf_req *r, uint64_t bytes)
+{
+  atomic_store (&r->cutoff, bytes);
+}
+
+uint64_t
+bcf_req_sequential_cutoff (struct bcf_req *r)
+{
+  return atomic_load (&r->cutoff);
+}
+
+bool
+bcf_req_passthrough (struct bcf_req *r)
+{
+  return atomic_load (&r->passthrough);
+}
+
+struct bcf_stats *
+bcf_req_counters (struct bcf_req *r)
+{
+  return r->stats;
+}
+
+void
+bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled)
+{
+  atomic_store (&r->tracker_disabled, disabled);
+  bcf_bypass_test_disable (r->tracker, disabled);
+}
+
+void
+bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
+{
+  struct bcf_bypass_mem m;
+
+  memset (st, 0, sizeof *st);
+  st->device_errors = atomic_load (&r->device_errors);
+  st->passthrough = atomic_load (&r->passthrough);
+  bcf_bypass_get_mem (r->tracker, &m);
+  st->bypass_bytes_now = m.bytes;
+  st->bypass_bytes_peak = m.peak_bytes;
+  st->bypass_pages = m.pages;
+  st->bypass_reserve_uses = m.reserve_uses;
+  st->bypass_in_flight = m.in_flight;
+}
+
+/* ---- helpers ---------------------------------------------------------------------- */
+
+/* The whole blocks touched by [offset, offset + count), clamped to the
+ * cacheable part of the backing store (may be empty). */
+static struct span
+span_of (const struct bcf_req *r, uint64_t offset, uint64_t count)
+{
+  struct span s;
+
+  s.start = offset / r->block * r->block;
+  s.end = (offset + count + r->block - 1) / r->block * r->block;
+  if (s.end > r->cache_end)
+    s.end = r->cache_end;
+  if (s.start > s.end)
+    s.start = s.end;
+  return s;
+}
+
+/* The whole blocks inside [offset, offset + count), clamped likewise. */
+static struct span
+inner_of (const struct bcf_req *r, uint64_t offset, uint64_t count)
+{
+  struct span s;
+
+  s.start = (offset + r->block - 1) / r->block * r->block;
+  s.end = (offset + count) / r->block * r->block;
+  if (s.end > r->cache_end)
+    s.end = r->cache_end;
+  if (s.start > s.end)
+    s.start = s.end;
+  return s;
+}
+
+static bool
+cache_off (struct bcf_req *r)
+{
+  return atomic_load (&r->passthrough);
+}
+
+/* Mark the device as given up, so the next open starts empty.  While
+ * that fails (the device is failing), every change to the backing store
+ * tries again first: a device that comes back is marked before anything
+ * more passes it by.  If it never comes back, it is never read again. */
+static void
+abandon_device (struct bcf_req *r)
+{
+  if (atomic_load (&r->abandoned))
+    return;
+  pthread_mutex_lock (&r->abandon_lock);
+  if (!atomic_load (&r->abandoned) && bcf_cache_abandon (r->c) == 0)
+    atomic_store (&r->abandoned, true);
+  pthread_mutex_unlock (&r->abandon_lock);
+}
+
+/* Give the cache up and pass everything through from now on. */
+static void
+go_passthrough (struct bcf_req *r)
+{
+  atomic_store (&r->passthrough, true);
+  abandon_device (r);
+}
+
+/* A cache-device error: counted; past the limit, pass through. */
+static void
+device_error (struct bcf_req *r)
+{
+  if (atomic_fetch_add (&r->device_errors, 1) + 1 >= r->error_limit)
+    go_passthrough (r);
+}
+
+/* Should this request go around the cache (bcache's check_should_bypass)?
+ * Accounts the request in the stream table. */
+static bool
+should_bypass (struct bcf_req *r, uint64_t offset, uint64_t count)
+{
+  uint64_t cutoff = atomic_load (&r->cutoff);
+  uint64_t stream = bcf_seqdetect_account (r->seq, offset, count);
+
+  if (atomic_load (&r->mode) == BCF_MODE_NONE)
+    return true;
+  return cutoff > 0 && stream >= cutoff;
+}
+
+static bool
+tracker_busy (struct bcf_req *r, uint64_t offset, uint64_t len)
+{
+  return bcf_bypass_busy (r->tracker, offset, len);
+}
+
+static int
+backing_pread (const struct bcf_backing *b, void *buf, uint64_t len,
+               uint64_t offset)
+{
+  return b->ops->pread (b->opaque, buf, (uint32_t) len, offset);
+}
+
+/* ---- reads ------------------------------------------------------------------------ */
+
+/* Read a missed range [e->offset, +len) into buf: from the backing store,
+ * caching it unless bypass.  Returns 0 or a backing-store error. */
+static int
+read_miss (struct bcf_req *r, const struct bcf_backing *b,
+           const struct bcf_extent *e, void *buf, bool bypass)
+{
+  struct bcf_miss m;
+  int rc;
+
+  if (bypass || cache_off (r))
+    return backing_pread (b, buf, e->len, e->offset);
+  rc = bcf_miss_begin (r->c, e->offset, e->len, &m);
+  if (rc < 0) {
+    if (rc != -ENOSPC && rc != -EROFS)
+      device_error (r);
+    return backing_pread (b, buf, e->len, e->offset);
+  }
+  /* Step 2: after our check key is in (see the header comment). */
+  if (tracker_busy (r, e->offset, e->len)) {
+    bcf_miss_cancel (r->c, &m);
+    return backing_pread (b, buf, e->len, e->offset);
+  }
+  rc = backing_pread (b, buf, e->len, e->offset);
+  if (rc < 0) {
+    bcf_miss_cancel (r->c, &m);
+    return rc;
+  }
+  rc = bcf_miss_fill (r->c, &m, buf);
+  if (rc == -EEXIST)
+    bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
+  else if (rc < 0 && rc != -ENOSPC)
+    device_error (r);
+  return 0;
+}
+
+/* Read a hit; on a race or a device error, from the backing store. */
+static int
+read_hit (struct bcf_req *r, const struct bcf_backing *b,
+          const struct bcf_extent *e, void *buf)
+{
+  int rc = bcf_read_hit (r->c, e, buf);
+
+  if (rc == 0)
+    return 0;
+  if (rc == -ESTALE)
+    bcf_stats_add (r->stats, BCF_STAT_READ_RACES, 1);
+  else {
+    if (e->dirty)
+      return rc;        /* the only copy: the backing store is older */
+    device_error (r);
+    bcf_invalidate (r->c, e->offset, e->len, false);
+  }
+  return backing_pread (b, buf, e->len, e->offset);
+}
+
+/* Read the whole blocks [s.start, s.end) into buf.  *all_hit tells
+ * whether the cache served all of it. */
+static int
+read_span (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+           uint8_t *buf, bool bypass, bool *all_hit)
+{
+  uint64_t pos = s.start;
+
+  *all_hit = true;
+  while (pos < s.end) {
+    struct bcf_extent ext[PLAN_EXTENTS];
+    unsigned n = 0;
+    int rc;
+
+    if (cache_off (r) ||
+        bcf_lookup (r->c, pos, s.end - pos, ext, PLAN_EXTENTS, &n) < 0 ||
+        n == 0) {
+      /* No plan (device error loading a node, or passing through). */
+      *all_hit = false;
+      return backing_pread (b, buf + (pos - s.start), s.end - pos, pos);
+    }
+    for (unsigned i = 0; i < n; i++) {
+      uint8_t *p = buf + (ext[i].offset - s.start);
+      if (ext[i].kind == BCF_EXTENT_HIT)
+        rc = read_hit (r, b, &ext[i], p);
+      else {
+        *all_hit = false;
+        rc = read_miss (r, b, &ext[i], p, bypass);
+      }
+      if (rc < 0)
+        return rc;
+      pos = ext[i].offset + ext[i].len;
+    }
+  }
+  return 0;
+}
+
+static void
+count_read (struct bcf_req *r, bool bypass, bool hit, uint64_t count)
+{
+  if (bypass) {
+    bcf_stats_add (r->stats, hit ? BCF_STAT_BYPASS_HITS
+                   : BCF_STAT_BYPASS_MISSES, 1);
+    bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+  }
+  else
+    bcf_stats_add (r->stats, hit ? BCF_STAT_HITS : BCF_STAT_MISSES, 1);
+}
+
+static int
+do_read (struct bcf_req *r, const struct bcf_backing *b, void *buf,
+         uint32_t count, uint64_t offset, bool bypass)
+{
+  struct span s = span_of (r, offset, count);
+  uint64_t end = offset + count;
+  bool hit = false;
+  int rc = 0;
+
+  if (count == 0)
+    return 0;
+  if (offset > r->size || count > r->size - offset)
+    return -ERANGE;
+  if (cache_off (r) || s.start >= s.end)
+    return backing_pread (b, buf, count, offset);
+
+  if (s.start == offset && s.end == end)
+    rc = read_span (r, b, s, buf, bypass, &hit);
+  else {
+    /* Widened to whole blocks: through a bounce buffer.  The part past
+     * cache_end (a partial last block) comes from the backing store. */
+    uint8_t *bounce = malloc (s.end - s.start);
+    if (!bounce)
+      return -ENOMEM;
+    rc = read_span (r, b, s, bounce, bypass, &hit);
+    if (rc == 0) {
+      uint64_t a = offset > s.start ? offset : s.start;
+      uint64_t z = end < s.end ? end : s.end;
+      if (z > a)
+        memcpy ((uint8_t *) buf + (a - offset), bounce + (a - s.start), z - a);
+      if (end > s.end)
+        rc = backing_pread (b, (uint8_t *) buf + (s.end - offset), end - s.end,
+                            s.end);
+    }
+    free (bounce);
+  }
+  if (rc == 0)
+    count_read (r, bypass, hit, count);
+  return rc;
+}
+
+int
+bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
+              void *buf, uint32_t count, uint64_t offset)
+{
+  bool bypass = should_bypass (r, offset, count);
+
+  return do_read (r, b, buf, count, offset, bypass);
+}
+
+int
+bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
+                  uint32_t count, uint64_t offset)
+{
+  uint64_t end = (uint64_t) offset + count;
+  uint8_t *buf;
+  int rc = 0;
+
+  if (offset > r->size || count > r->size - offset)
+    return -ERANGE;
+  if (!(buf = malloc (count < PREFETCH_CHUNK ? count : PREFETCH_CHUNK)))
+    return -ENOMEM;
+  for (uint64_t pos = offset; pos < end && rc == 0; ) {
+    uint64_t len = end - pos < PREFETCH_CHUNK ? end - pos : PREFETCH_CHUNK;
+    rc = do_read (r, b, buf, (uint32_t) len, pos,
+                  atomic_load (&r->mode) == BCF_MODE_NONE);
+    pos += len;
+  }
+  free (buf);
+  return rc;
+}
+
+/* ---- writes ----------------------------------------------------------------------- */
+
+/* W1-W2 of the write protocol: register the backing change and
+ * invalidate the span durably.  Returns 0; on an invalidation that could
+ * not be made durable, the cache is abandoned (and everything passes
+ * through), which is equally safe. */
+static void
+begin_backing_change (struct bcf_req *r, struct span s,
+                      struct bcf_bypass_token *tok)
+{
+  int rc;
+
+  bcf_bypass_begin (r->tracker, s.start, s.end - s.start, tok);
+  rc = bcf_invalidate (r->c, s.start, s.end - s.start, true);
+  if (rc < 0) {
+    device_error (r);
+    go_passthrough (r);
+  }
+}
+
+int
+bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
+               const void *buf, uint32_t count, uint64_t offset, bool fua)
+{
+  struct span s = span_of (r, offset, count);
+  struct span in = inner_of (r, offset, count);
+  struct bcf_bypass_token tok;
+  struct bcf_miss m;
+  bool insert, have_check = false;
+  int rc;
+
+  if (count == 0)
+    return 0;
+  if (offset > r->size || count > r->size - offset)
+    return -ERANGE;
+  if (cache_off (r)) {
+    abandon_device (r);
+    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
+  }
+  if (s.start >= s.end)
+    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
+
+  insert = !should_bypass (r, offset, count) &&
+           atomic_load (&r->mode) == BCF_MODE_WRITETHROUGH &&
+           in.start < in.end;
+  if (!insert)
+    bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+
+  begin_backing_change (r, s, &tok);                    /* W1, W2 */
+  if (insert && !cache_off (r)) {                        /* W3 */
+    rc = bcf_miss_begin (r->c, in.start, in.end - in.start, &m);
+    have_check = rc == 0;
+  }
+  rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);   /* W4 */
+  if (have_check) {                                      /* W5 */
+    if (rc == 0 && bcf_bypass_alone (r->tracker, &tok)) {
+      int f = bcf_miss_fill (r->c, &m,
+                             (const uint8_t *) buf + (in.start - offset));
+      if (f == -EEXIST)
+        bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
+      else if (f < 0 && f != -ENOSPC)
+        device_error (r);
+    }
+    else
+      bcf_miss_cancel (r->c, &m);
+  }
+  bcf_bypass_end (r->tracker, &tok);                     /* W6 */
+  return rc;
+}
+
+/* Trim and zero: the same ordering as a bypassing write. */
+static int
+change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
+              uint64_t offset, int (*fn) (const struct bcf_backing *b,
+                                          uint32_t count, uint64_t offset,
+                                          void *arg), void *arg)
+{
+  struct span s = span_of (r, offset, count);
+  struct bcf_bypass_token tok;
+  int rc;
+
+  if (count == 0)
+    return 0;
+  if (offset > r->size || count > r->size - offset)
+    return -ERANGE;
+  if (cache_off (r)) {
+    abandon_device (r);
+    return fn (b, count, offset, arg);
+  }
+  if (s.start >= s.end)
+    return fn (b, count, offset, arg);
+  begin_backing_change (r, s, &tok);
+  rc = fn (b, count, offset, arg);
+  bcf_bypass_end (r->tracker, &tok);
+  return rc;
+}
+
+struct zero_args { bool may_trim; };
+
+static int
+call_trim (const struct bcf_backing *b, uint32_t count, uint64_t offset,
+           void *arg)
+{
+  return b->ops->trim (b->opaque, count, offset);
+}
+
+static int
+call_zero (const struct bcf_backing *b, uint32_t count, uint64_t offset,
+           void *arg)
+{
+  const struct zero_args *z = arg;
+  return b->ops->zero (b->opaque, count, offset, z->may_trim);
+}
+
+int
+bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
+              uint32_t count, uint64_t offset, bool fua)
+{
+  int rc = change_range (r, b, count, offset, call_trim, NULL);
+
+  /* The backing trim has no FUA of its own in the ops: flush. */
+  if (rc == 0 && fua)
+    rc = b->ops->flush (b->opaque);
+  return rc;
+}
+
+int
+bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
+              uint32_t count, uint64_t offset, bool may_trim, bool fua)
+{
+  struct zero_args z = { .may_trim = may_trim };
+  int rc = change_range (r, b, count, offset, call_zero, &z);
+
+  if (rc == 0 && fua)
+    rc = b->ops->flush (b->opaque);
+  return rc;
+}
+
+int
+bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
+{
+  int rc = b->ops->flush (b->opaque);
+
+  /* Nothing acknowledged depends on the cache's journal in the clean
+   * modes (invalidations are durable before their writes), but inserts
+   * are made durable too so that a flush also keeps the cache warm. */
+  if (rc == 0 && !cache_off (r) && bcf_flush (r->c) < 0)
+    device_error (r);
+  return rc;
+}
+
+int
+bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset)
+{
+  struct span s = span_of (r, offset, count);
+  uint64_t pos = s.start;
+
+  if (cache_off (r))
+    return 0;
+  while (pos < s.end) {
+    struct bcf_extent ext[PLAN_EXTENTS];
+    unsigned n = 0;
+    int rc = bcf_lookup (r->c, pos, s.end - pos, ext, PLAN_EXTENTS, &n);
+
+    if (rc < 0)
+      return rc;
+    if (n == 0)
+      break;
+    for (unsigned i = 0; i < n; i++) {
+      if (ext[i].kind == BCF_EXTENT_HIT && ext[i].dirty)
+        return 1;
+      pos = ext[i].offset + ext[i].len;
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,98 @@
+/* bcachefilter: the request path (core/request.c).
+ *
+ * Maps client requests (any offset and length) onto the engine: reads
+ * with hits, misses and the cache-miss insert protocol; writes per cache
+ * mode; flush, trim, zero, block status and prefetch.  Knows nothing about
+ * nbdkit: the backing store of each request is passed in (the filter wraps
+ * its per-connection next_ops in a struct bcf_backing), so many
+ * connections can share one struct bcf_req.
+ *
+ * Safe for many threads at once.  See core/request.c for the ordering
+ * arguments (DESIGN.md "The cache-miss insert protocol").
+ */
+#ifndef BCACHEFILTER_REQUEST_H
+#define BCACHEFILTER_REQUEST_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "bcachefilter/backing.h"
+#include "bcachefilter/cache.h"
+#include "bcachefilter/stats.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum bcf_cache_mode {
+  BCF_MODE_WRITETHROUGH = 0,
+  BCF_MODE_WRITEBACK,         /* not implemented yet: refused */
+  BCF_MODE_WRITEAROUND,
+  BCF_MODE_NONE,
+};
+
+/* "writethrough", ... ; -1 for an unknown name. */
+int bcf_cache_mode_parse (const char *name);
+const char *bcf_cache_mode_name (enum bcf_cache_mode m);
+
+struct bcf_req;
+
+struct bcf_req_opts {
+  enum bcf_cache_mode mode;
+  uint64_t sequential_cutoff;   /* bytes; 0 disables */
+  /* Cache-device errors tolerated before the cache is switched to pass
+   * through (every error is served from the backing store anyway);
+   * 0 = 64. */
+  unsigned error_limit;
+};
+
+/* c must stay open for the lifetime of the request layer. */
+struct bcf_req *bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o);
+void bcf_req_free (struct bcf_req *r);
+
+/* Run-time knobs (the control socket).  set_mode refuses writeback with
+ * -ENOTSUP. */
+int bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m);
+enum bcf_cache_mode bcf_req_mode (struct bcf_req *r);
+void bcf_req_set_sequential_cutoff (struct bcf_req *r, uint64_t bytes);
+uint64_t bcf_req_sequential_cutoff (struct bcf_req *r);
+/* True once too many cache-device errors switched the cache off. */
+bool bcf_req_passthrough (struct bcf_req *r);
+
+/* The requests.  Return 0 or a negative errno (from the backing store:
+ * cache-device errors never fail a request the backing store can serve). */
+int bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
+                  void *buf, uint32_t count, uint64_t offset);
+int bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
+                   const void *buf, uint32_t count, uint64_t offset, bool fua);
+int bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b);
+int bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
+                  uint32_t count, uint64_t offset, bool fua);
+int bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
+                  uint32_t count, uint64_t offset, bool may_trim, bool fua);
+/* NBD_CMD_CACHE: read the range into the cache (no data returned). */
+int bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
+                      uint32_t count, uint64_t offset);
+/* Does the cache hold data for any byte of [offset, offset + count) that
+ * the backing store may not have (dirty)?  Block status must then not
+ * report a hole or zero there.  Returns 1, 0 or -errno. */
+int bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset);
+
+struct bcf_req_stats {
+  uint64_t device_errors;       /* cache-device errors served from backing */
+  bool passthrough;
+  uint64_t bypass_bytes_now, bypass_bytes_peak, bypass_pages,
+           bypass_reserve_uses, bypass_in_flight;
+};
+void bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st);
+/* The counters with bcache's decayed views. */
+struct bcf_stats *bcf_req_counters (struct bcf_req *r);
+
+/* Tests only: disable the in-flight write tracker's check. */
+void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BCACHEFILTER_REQUEST_H */

@@ -1,0 +1,670 @@
+/* Unit tests for the request path (core/request.c) over the in-memory
+ * backing store: the seed race (a read miss overlapping a write that
+ * bypasses the cache) forced deterministically with a gate, overlapping
+ * writethrough writes, unaligned requests, bypass rules, cache-device
+ * errors served from the backing store, and a threaded random test
+ * checked against a shadow copy.
+ *
+ * TEST_DISABLE_TRACKER=1 runs everything with the in-flight write
+ * tracker's check disabled: the seed-race cases then fail, which shows
+ * they test what they claim.  The random test prints its seed (TEST_SEED
+ * overrides).
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <check.h>
+
+#include "bcachefilter/cache.h"
+#include "bcachefilter/request.h"
+#include "bcachefilter/stats.h"
+#include "engine.h"
+#include "io.h"
+#include "mem-backing.h"
+
+#define BLOCK 4096u
+#define MiB (1024u * 1024u)
+
+static char tmpdir[256];
+static unsigned seed;
+
+static uint64_t rng_state;
+static uint64_t
+rnd (void)
+{
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 2685821657736338717ull;
+}
+
+static void
+log_cb (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  if (level >= BCF_LOG_ERROR || getenv ("TEST_VERBOSE"))
+    fprintf (stderr, "engine: %s\n", msg);
+}
+
+struct fx {
+  char path[320];
+  struct mem_backing *mb;
+  struct bcf_backing b;
+  struct bcf_cache_opts opts;
+  struct bcf_cache *c;
+  struct bcf_req *r;
+  struct bcf_req_opts ro;
+};
+
+static void
+fx_open (struct fx *f)
+{
+  char err[512] = "";
+  int r = bcf_cache_open (&f->opts, &f->c, err, sizeof err);
+
+  ck_assert_msg (r == 0, "bcf_cache_open: %s (%s)", err, strerror (-r));
+  f->r = bcf_req_new (f->c, &f->ro);
+  ck_assert_ptr_nonnull (f->r);
+  if (getenv ("TEST_DISABLE_TRACKER"))
+    bcf_req_test_disable_tracker (f->r, true);
+}
+
+static void
+fx_init (struct fx *f, const char *name, uint64_t backing_bytes,
+         enum bcf_cache_mode mode)
+{
+  memset (f, 0, sizeof *f);
+  snprintf (f->path, sizeof f->path, "%s/%s", tmpdir, name);
+  unlink (f->path);
+  f->mb = mem_backing_new (backing_bytes);
+  f->b = mem_backing_get (f->mb);
+  f->opts.path = f->path;
+  f->opts.create_size = 64 * MiB;
+  f->opts.format = BCF_FORMAT_AUTO;
+  f->opts.bucket_sectors = 256;         /* 128 KiB */
+  f->opts.block_sectors = BLOCK / 512;
+  f->opts.backing = f->b;
+  memcpy (f->opts.backing_uuid, "request-tests-01", 16);
+  f->opts.log = log_cb;
+  f->ro.mode = mode;
+  f->ro.sequential_cutoff = 4 * MiB;
+  fx_open (f);
+}
+
+static void
+fx_close (struct fx *f)
+{
+  bcf_req_free (f->r);
+  f->r = NULL;
+  ck_assert_int_eq (bcf_cache_close (f->c), 0);
+  f->c = NULL;
+}
+
+static void
+fx_free (struct fx *f)
+{
+  if (f->c)
+    fx_close (f);
+  mem_backing_free (f->mb);
+  unlink (f->path);
+}
+
+static void
+pattern (uint8_t *buf, size_t len, uint8_t v)
+{
+  memset (buf, v, len);
+}
+
+/* Is [off, off+len) served from the cache, all of it? */
+static bool
+cached (struct fx *f, uint64_t off, uint64_t len)
+{
+  struct bcf_extent e[64];
+  unsigned n;
+  uint64_t covered = 0;
+
+  ck_assert_int_eq (bcf_lookup (f->c, off, len, e, 64, &n), 0);
+  for (unsigned i = 0; i < n; i++) {
+    if (e[i].kind != BCF_EXTENT_HIT)
+      return false;
+    covered += e[i].len;
+  }
+  return covered == len;
+}
+
+static uint64_t
+counter (struct fx *f, enum bcf_stat_counter k)
+{
+  uint64_t v[BCF_STAT__COUNT];
+  bcf_stats_get (bcf_req_counters (f->r), BCF_VIEW_TOTAL, v);
+  return v[k];
+}
+
+/* ---- the seed race ---------------------------------------------------------------- */
+
+struct writer {
+  struct fx *f;
+  const uint8_t *buf;
+  uint32_t len;
+  uint64_t off;
+  int result;
+};
+
+static void *
+writer_thread (void *arg)
+{
+  struct writer *w = arg;
+  w->result = bcf_req_write (w->f->r, &w->f->b, w->buf, w->len, w->off, false);
+  return NULL;
+}
+
+/* A read miss runs while a write to the same range is parked before its
+ * backing write (after its invalidation).  The read returns the old data
+ * (the write is not acknowledged yet: allowed), and must not cache it:
+ * once the write completes, every read returns the new data. */
+static void
+seed_race (enum bcf_cache_mode mode, bool warm)
+{
+  struct fx f;
+  uint8_t old[64 * 1024], new[64 * 1024], got[64 * 1024];
+  const uint64_t off = 8 * MiB;
+  struct mem_backing_gate *g;
+  struct writer w;
+  pthread_t t;
+
+  fx_init (&f, "race.img", 64 * MiB, mode);
+  pattern (old, sizeof old, 0xaa);
+  pattern (new, sizeof new, 0x55);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  if (warm) {         /* the range is cached before the write */
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert (cached (&f, off, sizeof got));
+  }
+
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                            off, sizeof new);
+  w = (struct writer) { .f = &f, .buf = new, .len = sizeof new, .off = off };
+  ck_assert_int_eq (pthread_create (&t, NULL, writer_thread, &w), 0);
+  ck_assert_msg (mem_backing_gate_wait_hit (g, 10000),
+                 "the write never reached the backing store");
+
+  /* The write is between its invalidation and its backing write. */
+  ck_assert (!cached (&f, off, sizeof got));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, old, sizeof got) == 0);
+
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (w.result, 0);
+
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
+                 "stale read after the write completed: the read miss "
+                 "cached the old data (the seed race)");
+  /* And after a restart (the cache persisted whatever it holds). */
+  fx_close (&f);
+  fx_open (&f);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
+                 "stale read after restart");
+  fx_free (&f);
+}
+
+START_TEST (seed_race_writearound)
+{
+  seed_race (BCF_MODE_WRITEAROUND, false);
+}
+END_TEST
+
+START_TEST (seed_race_writethrough)
+{
+  seed_race (BCF_MODE_WRITETHROUGH, false);
+}
+END_TEST
+
+START_TEST (seed_race_warm_writearound)
+{
+  seed_race (BCF_MODE_WRITEAROUND, true);
+}
+END_TEST
+
+/* The same interleaving with the tracker disabled must produce the stale
+ * read: proof that the scenario above really exercises the race. */
+START_TEST (seed_race_happens_without_tracker)
+{
+  struct fx f;
+  uint8_t old[16 * 1024], new[16 * 1024], got[16 * 1024];
+  const uint64_t off = 4 * MiB;
+  struct mem_backing_gate *g;
+  struct writer w;
+  pthread_t t;
+
+  fx_init (&f, "race-off.img", 64 * MiB, BCF_MODE_WRITEAROUND);
+  bcf_req_test_disable_tracker (f.r, true);
+  pattern (old, sizeof old, 0x11);
+  pattern (new, sizeof new, 0x22);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                            off, sizeof new);
+  w = (struct writer) { .f = &f, .buf = new, .len = sizeof new, .off = off };
+  ck_assert_int_eq (pthread_create (&t, NULL, writer_thread, &w), 0);
+  ck_assert (mem_backing_gate_wait_hit (g, 10000));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, old, sizeof got) == 0,
+                 "without the tracker the race should have cached old data");
+  fx_free (&f);
+}
+END_TEST
+
+struct reader {
+  struct fx *f;
+  uint8_t *buf;
+  uint32_t len;
+  uint64_t off;
+  int result;
+};
+
+static void *
+reader_thread (void *arg)
+{
+  struct reader *rd = arg;
+  rd->result = bcf_req_read (rd->f->r, &rd->f->b, rd->buf, rd->len, rd->off);
+  return NULL;
+}
+
+/* A miss that began before the write: its check key is removed by the
+ * write's invalidation, so its fill collides and nothing is cached. */
+START_TEST (miss_before_write_collides)
+{
+  struct fx f;
+  uint8_t old[8192], new[8192], got[8192], got2[8192];
+  const uint64_t off = 1 * MiB;
+  struct mem_backing_gate *g;
+  struct reader rd;
+  pthread_t t;
+
+  fx_init (&f, "collide.img", 64 * MiB, BCF_MODE_WRITEAROUND);
+  pattern (old, sizeof old, 0x33);
+  pattern (new, sizeof new, 0x44);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  /* Park the read after its backing read got the old data. */
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_READ, MEM_BACKING_AFTER_IO,
+                            off, sizeof old);
+  rd = (struct reader) { .f = &f, .buf = got, .len = sizeof got, .off = off };
+  ck_assert_int_eq (pthread_create (&t, NULL, reader_thread, &rd), 0);
+  ck_assert (mem_backing_gate_wait_hit (g, 10000));
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false), 0);
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (rd.result, 0);
+  ck_assert (memcmp (got, old, sizeof got) == 0);
+  ck_assert_uint_eq (counter (&f, BCF_STAT_MISS_COLLISIONS), 1);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got2, sizeof got2, off), 0);
+  ck_assert (memcmp (got2, new, sizeof got2) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* Two overlapping writethrough writes whose backing writes land in the
+ * opposite order of their completions: the cache must end up equal to
+ * the backing store (or not cache the range). */
+START_TEST (overlapping_writethrough_writes)
+{
+  struct fx f;
+  uint8_t a[16384], b[16384], got[16384], back[16384];
+  const uint64_t off = 2 * MiB;
+  struct mem_backing_gate *g;
+  struct writer w1, w2;
+  pthread_t t1, t2;
+
+  fx_init (&f, "overlap.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (a, sizeof a, 0xa1);
+  pattern (b, sizeof b, 0xb2);
+  /* W1's backing write lands, then parks. */
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_AFTER_IO,
+                            off, sizeof a);
+  w1 = (struct writer) { .f = &f, .buf = a, .len = sizeof a, .off = off };
+  ck_assert_int_eq (pthread_create (&t1, NULL, writer_thread, &w1), 0);
+  ck_assert (mem_backing_gate_wait_hit (g, 10000));
+  /* W2 runs whole meanwhile: its data lands after W1's. */
+  w2 = (struct writer) { .f = &f, .buf = b, .len = sizeof b, .off = off };
+  ck_assert_int_eq (pthread_create (&t2, NULL, writer_thread, &w2), 0);
+  pthread_join (t2, NULL);
+  ck_assert_int_eq (w2.result, 0);
+  mem_backing_gate_release (g);
+  pthread_join (t1, NULL);
+  ck_assert_int_eq (w1.result, 0);
+
+  mem_backing_peek (f.mb, back, sizeof back, off);
+  ck_assert (memcmp (back, b, sizeof back) == 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
+                 "the cache holds W1's data but the backing store W2's");
+  fx_free (&f);
+}
+END_TEST
+
+/* Writethrough caches what it writes; a lone write is inserted clean. */
+START_TEST (writethrough_caches_writes)
+{
+  struct fx f;
+  uint8_t a[65536], got[65536];
+  struct mem_backing_stats st;
+
+  fx_init (&f, "wt.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (a, sizeof a, 0x5a);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 3 * MiB, true), 0);
+  ck_assert (cached (&f, 3 * MiB, sizeof a));
+  mem_backing_reset_stats (f.mb);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 3 * MiB), 0);
+  ck_assert (memcmp (got, a, sizeof a) == 0);
+  mem_backing_get_stats (f.mb, &st);
+  ck_assert_uint_eq (st.reads, 0);
+  ck_assert_uint_eq (counter (&f, BCF_STAT_HITS), 1);
+  /* Writearound drops it instead. */
+  ck_assert_int_eq (bcf_req_set_mode (f.r, BCF_MODE_WRITEAROUND), 0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, 4096, 3 * MiB, false), 0);
+  ck_assert (!cached (&f, 3 * MiB, 4096));
+  ck_assert (cached (&f, 3 * MiB + 4096, sizeof a - 4096));
+  ck_assert_int_eq (bcf_req_set_mode (f.r, BCF_MODE_WRITEBACK), -ENOTSUP);
+  fx_free (&f);
+}
+END_TEST
+
+/* Unaligned requests, and a backing store whose size is not a multiple of
+ * the block size, against a shadow copy. */
+START_TEST (unaligned_requests)
+{
+  const uint64_t size = 16 * MiB + 1536;
+  struct fx f;
+  uint8_t *shadow = malloc (size), *buf = malloc (MiB);
+
+  fx_init (&f, "unaligned.img", size, BCF_MODE_WRITETHROUGH);
+  for (uint64_t i = 0; i < size; i++)
+    shadow[i] = (uint8_t) (i * 7 + 3);
+  mem_backing_poke (f.mb, shadow, size, 0);
+  for (int i = 0; i < 3000; i++) {
+    uint64_t len = 1 + rnd () % 20000;
+    uint64_t off = rnd () % (size - len + 1);
+    if (i % 50 == 0)                    /* the tail */
+      off = size - len;
+    switch (rnd () % 4) {
+    case 0: case 1:
+      ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, (uint32_t) len, off), 0);
+      ck_assert_msg (memcmp (buf, shadow + off, len) == 0,
+                     "read %" PRIu64 "+%" PRIu64 " differs (seed %u)", off,
+                     len, seed);
+      break;
+    case 2:
+      for (uint64_t j = 0; j < len; j++)
+        buf[j] = (uint8_t) rnd ();
+      ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, (uint32_t) len, off,
+                                       false), 0);
+      memcpy (shadow + off, buf, len);
+      break;
+    case 3:
+      ck_assert_int_eq (bcf_req_zero (f.r, &f.b, (uint32_t) len, off,
+                                      rnd () & 1, false), 0);
+      memset (shadow + off, 0, len);
+      break;
+    }
+  }
+  /* Out of range. */
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, 4096, size - 100), -ERANGE);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, 1, size, false), -ERANGE);
+  fx_close (&f);
+  fx_open (&f);
+  for (uint64_t off = 0; off < size; off += MiB) {
+    uint64_t len = size - off < MiB ? size - off : MiB;
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, (uint32_t) len, off), 0);
+    ck_assert (memcmp (buf, shadow + off, len) == 0);
+  }
+  fx_free (&f);
+  free (shadow);
+  free (buf);
+}
+END_TEST
+
+/* Sequential streams past the cutoff are not cached; mode none caches
+ * nothing. */
+START_TEST (bypass_rules)
+{
+  struct fx f;
+  uint8_t *buf = malloc (MiB);
+
+  fx_init (&f, "bypass.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  for (uint64_t off = 0; off < 8 * MiB; off += 256 * 1024)
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, 256 * 1024, off), 0);
+  ck_assert (cached (&f, 0, 256 * 1024));
+  ck_assert (!cached (&f, 7 * MiB, 256 * 1024));
+  ck_assert_uint_gt (counter (&f, BCF_STAT_BYPASS_MISSES), 0);
+  ck_assert_uint_gt (counter (&f, BCF_STAT_BYPASSED_BYTES), 0);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  for (uint64_t off = 16 * MiB; off < 24 * MiB; off += 256 * 1024)
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, 256 * 1024, off), 0);
+  ck_assert (cached (&f, 23 * MiB, MiB));
+  ck_assert_int_eq (bcf_req_set_mode (f.r, BCF_MODE_NONE), 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, 4096, 40 * MiB), 0);
+  ck_assert (!cached (&f, 40 * MiB, 4096));
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, 4096, 23 * MiB, false), 0);
+  ck_assert (!cached (&f, 23 * MiB, 4096));
+  fx_free (&f);
+  free (buf);
+}
+END_TEST
+
+/* Cache-device read errors are served from the backing store; past the
+ * limit the cache is abandoned and the next open starts empty. */
+START_TEST (device_errors_pass_through)
+{
+  struct fx f;
+  uint8_t a[65536], got[65536];
+  struct bcf_io_faults faults = { .fail_every = 1 };
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "errors.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  f.ro.error_limit = 4;
+  bcf_req_free (f.r);
+  f.r = bcf_req_new (f.c, &f.ro);
+  pattern (a, sizeof a, 0x77);
+  for (int i = 0; i < 8; i++)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
+                                     (uint64_t) i * MiB, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  for (int i = 0; i < 8; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got,
+                                    (uint64_t) i * MiB), 0);
+    ck_assert (memcmp (got, a, sizeof a) == 0);
+  }
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_ge (rs.device_errors, 4);
+  ck_assert (rs.passthrough);
+  /* Writes still work (to the backing store only), while the device
+   * cannot even be marked as given up... */
+  pattern (a, sizeof a, 0x78);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert (memcmp (got, a, sizeof a) == 0);
+  /* ... and once it recovers, the next write marks it first. */
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  pattern (a, sizeof a, 0x79);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  fx_close (&f);
+  /* Reopen: the abandoned cache starts empty, so no old data comes back. */
+  fx_open (&f);
+  ck_assert (!cached (&f, 0, sizeof a));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert (memcmp (got, a, sizeof a) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* Threads doing random reads, writes, trims and zeroes, each on its own
+ * region (so the shadow is exact) but with reads spanning everything's
+ * cache state, in writethrough with backing latency. */
+#define THREADS 4
+#define REGION (4 * MiB)
+
+struct worker {
+  struct fx *f;
+  unsigned id;
+  uint64_t rng;
+  uint8_t *shadow;
+  uint64_t ops;
+  char failure[256];
+};
+
+static uint64_t
+wrnd (struct worker *w)
+{
+  w->rng ^= w->rng >> 12;
+  w->rng ^= w->rng << 25;
+  w->rng ^= w->rng >> 27;
+  return w->rng * 2685821657736338717ull;
+}
+
+static void *
+worker_thread (void *arg)
+{
+  struct worker *w = arg;
+  const uint64_t base = (uint64_t) w->id * REGION;
+  uint8_t *buf = malloc (256 * 1024);
+
+  for (uint64_t i = 0; i < w->ops && !w->failure[0]; i++) {
+    uint64_t len = (wrnd (w) % 2 ? 4096 * (1 + wrnd (w) % 16)
+                    : 1 + wrnd (w) % 65536);
+    uint64_t off = wrnd (w) % (REGION - len);
+    int r = 0;
+    switch (wrnd (w) % 8) {
+    case 0: case 1: case 2: case 3:
+      r = bcf_req_read (w->f->r, &w->f->b, buf, (uint32_t) len, base + off);
+      if (r == 0 && memcmp (buf, w->shadow + off, len) != 0)
+        snprintf (w->failure, sizeof w->failure, "thread %u op %" PRIu64
+                  ": read %" PRIu64 "+%" PRIu64 " differs from the shadow",
+                  w->id, i, base + off, len);
+      break;
+    case 4: case 5:
+      for (uint64_t j = 0; j < len; j++)
+        buf[j] = (uint8_t) wrnd (w);
+      r = bcf_req_write (w->f->r, &w->f->b, buf, (uint32_t) len, base + off,
+                         wrnd (w) % 4 == 0);
+      memcpy (w->shadow + off, buf, len);
+      break;
+    case 6:
+      r = bcf_req_trim (w->f->r, &w->f->b, (uint32_t) len, base + off, false);
+      memset (w->shadow + off, 0, len);   /* mem-backing trims to zero */
+      break;
+    case 7:
+      r = bcf_req_zero (w->f->r, &w->f->b, (uint32_t) len, base + off, true,
+                        false);
+      memset (w->shadow + off, 0, len);
+      break;
+    }
+    if (r < 0 && !w->failure[0])
+      snprintf (w->failure, sizeof w->failure, "thread %u op %" PRIu64
+                ": %s", w->id, i, strerror (-r));
+  }
+  free (buf);
+  return NULL;
+}
+
+START_TEST (threaded_random)
+{
+  struct fx f;
+  struct worker w[THREADS];
+  pthread_t t[THREADS];
+  const char *e = getenv ("TEST_THREAD_OPS");
+  uint64_t ops = e ? strtoull (e, NULL, 0) : 3000;
+
+  fx_init (&f, "threads.img", THREADS * REGION, BCF_MODE_WRITETHROUGH);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  mem_backing_set_read_latency (f.mb, 50);
+  mem_backing_set_write_latency (f.mb, 50);
+  ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
+  for (unsigned round = 0; round < 2; round++) {
+    for (unsigned i = 0; i < THREADS; i++) {
+      if (round == 0) {
+        w[i] = (struct worker) { .f = &f, .id = i, .ops = ops,
+                                 .rng = seed * 31ull + i + 1,
+                                 .shadow = calloc (1, REGION) };
+      }
+      ck_assert_int_eq (pthread_create (&t[i], NULL, worker_thread, &w[i]),
+                        0);
+    }
+    for (unsigned i = 0; i < THREADS; i++) {
+      pthread_join (t[i], NULL);
+      ck_assert_msg (!w[i].failure[0], "%s (seed %u)", w[i].failure, seed);
+    }
+    fx_close (&f);
+    fx_open (&f);
+    ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
+    bcf_req_set_sequential_cutoff (f.r, 0);
+  }
+  for (unsigned i = 0; i < THREADS; i++)
+    free (w[i].shadow);
+  fx_free (&f);
+}
+END_TEST
+
+/* ---- main ------------------------------------------------------------------------- */
+
+static Suite *
+request_suite (void)
+{
+  Suite *s = suite_create ("request");
+  TCase *tc;
+
+#define ADD(fn) \
+  tc = tcase_create (#fn); tcase_set_timeout (tc, 300); \
+  tcase_add_test (tc, fn); suite_add_tcase (s, tc)
+  ADD (seed_race_writearound);
+  ADD (seed_race_writethrough);
+  ADD (seed_race_warm_writearound);
+  ADD (seed_race_happens_without_tracker);
+  ADD (miss_before_write_collides);
+  ADD (overlapping_writethrough_writes);
+  ADD (writethrough_caches_writes);
+  ADD (unaligned_requests);
+  ADD (bypass_rules);
+  ADD (device_errors_pass_through);
+  ADD (threaded_random);
+#undef ADD
+  return s;
+}
+
+int
+main (void)
+{
+  const char *t = getenv ("TEST_TMPDIR");
+  SRunner *sr;
+  int failed;
+
+  seed = getenv ("TEST_SEED") ? (unsigned) strtoul (getenv ("TEST_SEED"),
+                                                    NULL, 0)
+         : (unsigned) time (NULL);
+  printf ("test-request: seed %u (TEST_SEED=%u to repeat)\n", seed, seed);
+  rng_state = seed * 0x9e3779b97f4a7c15ull + 1;
+  snprintf (tmpdir, sizeof tmpdir, "%s/test-request.XXXXXX",
+            t ? t : access ("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
+  if (!mkdtemp (tmpdir)) {
+    perror ("mkdtemp");
+    return 1;
+  }
+  sr = srunner_create (request_suite ());
+  srunner_run_all (sr, CK_ENV);
+  failed = srunner_ntests_failed (sr);
+  srunner_free (sr);
+  rmdir (tmpdir);
+  return failed ? 1 : 0;
+}
