@@ -1,0 +1,1111 @@
+/* nbdkit-bcachefilter-filter: a persistent SSD cache in bcache's on-disk
+ * format in front of any NBD export.
+ *
+ * Design
+ * ------
+ * This file is the glue between nbdkit and the engine (core/): parameters,
+ * lifecycle, and the mapping of NBD requests onto the request path
+ * (core/request.c, which holds the cache-miss protocol and the write
+ * ordering).  One cache serves every connection.
+ *
+ * Lifecycle:
+ *   .config / .config_complete  parse and check the bcache-* parameters;
+ *                               every other parameter goes to the plugin,
+ *                               and the identifying ones (uri, socket,
+ *                               file, ...) also name the export for the
+ *                               cache's identity check.
+ *   .get_ready                  probe the cache device before nbdkit
+ *                               forks: exists or can be created, writable,
+ *                               holds a cache, is blank, or (refused) holds
+ *                               something else.
+ *   .after_fork                 open a backend context to learn the
+ *                               export's size, open the cache (replay,
+ *                               identity check), start the engine's
+ *                               threads and the control socket.
+ *   .prepare                    each connection checks that its export has
+ *                               the size the cache was opened for.
+ *   .cleanup                    stop threads and close the cache (writes a
+ *                               checkpoint).  Correctness never depends on
+ *                               it: the engine recovers from a crash at any
+ *                               point.
+ *
+ * Each request wraps its connection's nbdkit_next in a struct bcf_backing
+ * on the stack, so the request path can reach the backing store without
+ * knowing nbdkit.
+ *
+ * Locking: the global state is written only before the server starts
+ * (config, get_ready, after_fork) and at cleanup; the engine and request
+ * path are safe for the PARALLEL thread model.  The statistics printer
+ * runs on the control socket's thread and only reads.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define NBDKIT_API_VERSION 2
+#include <nbdkit-filter.h>
+
+#include "bcachefilter/cache.h"
+#include "bcachefilter/format.h"
+#include "bcachefilter/request.h"
+#include "bcachefilter/stats.h"
+#include "ctl.h"
+#include "io.h"
+
+#define DEFAULT_CUTOFF (4u << 20)
+
+/* ---- parameters ------------------------------------------------------------------- */
+
+static struct {
+  const char *path;                     /* bcache= */
+  int64_t create_size;                  /* bcache-size= */
+  enum bcf_format_policy format;        /* bcache-format= */
+  enum bcf_cache_mode mode;             /* bcache-mode= */
+  int64_t bucket_size, block_size;      /* bytes; 0 = default */
+  int64_t cutoff;                       /* bcache-sequential-cutoff= */
+  bool have_uuid;
+  uint8_t uuid[16];                     /* bcache-backing-uuid= */
+  int io_mode;                          /* enum bcf_io_mode */
+  bool direct;                          /* bcache-direct= */
+  const char *ctl_path;                 /* bcache-ctl= */
+  int64_t node_cache;                   /* bcache-node-cache= */
+  unsigned journal_delay_ms;            /* bcache-journal-delay= */
+  unsigned error_limit;                 /* bcache-error-limit= */
+  bool test_no_tracker;                 /* bcache-test-disable-tracker= */
+} cfg = {
+  .format = BCF_FORMAT_AUTO,
+  .mode = BCF_MODE_WRITETHROUGH,
+  .cutoff = DEFAULT_CUTOFF,
+  .direct = true,
+};
+
+/* The plugin's parameters that name the export, hashed in order into the
+ * default identity (FNV-1a, two 64-bit lanes with different offset bases). */
+static const char *const identity_keys[] = {
+  "uri", "socket", "hostname", "host", "port", "vsock", "export",
+  "exportname", "file", "dir", "command", "server", "url", "disk",
+  NULL,
+};
+static uint64_t id_hash[2] = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
+static char id_text[256];               /* for messages: "socket=/x" */
+static bool id_any;
+
+/* ---- global state (after .after_fork) --------------------------------------------- */
+
+static struct bcf_cache *cache;
+static struct bcf_req *req;
+static uint64_t export_size;
+static bool ctl_running;
+
+/* ---- small helpers ---------------------------------------------------------------- */
+
+static void
+hash_bytes (const char *s)
+{
+  for (; *s; s++)
+    for (int lane = 0; lane < 2; lane++) {
+      id_hash[lane] ^= (uint8_t) *s;
+      id_hash[lane] *= 0x100000001b3ull;
+    }
+}
+
+static bool
+is_identity_key (const char *key)
+{
+  for (size_t i = 0; identity_keys[i]; i++)
+    if (strcmp (key, identity_keys[i]) == 0)
+      return true;
+  return false;
+}
+
+/* A size parameter: nbdkit's syntax (4M, 1G, ...), >= min. */
+static int
+parse_size_param (const char *key, const char *value, int64_t min,
+                  int64_t *out)
+{
+  int64_t v = nbdkit_parse_size (value);
+
+  if (v == -1)
+    return -1;                          /* nbdkit said why */
+  if (v < min) {
+    nbdkit_error ("%s=%s: must be at least %" PRIi64 " bytes", key, value,
+                  min);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int
+parse_pow2_param (const char *key, const char *value, int64_t min, int64_t max,
+                  int64_t *out)
+{
+  if (parse_size_param (key, value, min, out) == -1)
+    return -1;
+  if (*out > max || (*out & (*out - 1)) != 0) {
+    nbdkit_error ("%s=%s: must be a power of two between %" PRIi64
+                  " and %" PRIi64 " bytes", key, value, min, max);
+    return -1;
+  }
+  return 0;
+}
+
+static void
+engine_log (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  switch (level) {
+  case BCF_LOG_DEBUG:
+    nbdkit_debug ("bcachefilter: %s", msg);
+    break;
+  case BCF_LOG_INFO:
+  case BCF_LOG_WARN:
+    /* nbdkit has no info level: these are rare and worth seeing. */
+    fprintf (stderr, "nbdkit: bcachefilter: %s\n", msg);
+    break;
+  case BCF_LOG_ERROR:
+    nbdkit_error ("bcachefilter: %s", msg);
+    break;
+  }
+}
+
+/* ---- .config ---------------------------------------------------------------------- */
+
+static int
+filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
+            const char *key, const char *value)
+{
+  int64_t v;
+  int b;
+
+  if (strncmp (key, "bcache", 6) != 0) {
+    if (is_identity_key (key)) {
+      hash_bytes (key);
+      hash_bytes ("=");
+      hash_bytes (value);
+      hash_bytes ("\n");
+      if (!id_any)
+        snprintf (id_text, sizeof id_text, "%s=%s", key, value);
+      id_any = true;
+    }
+    return next (nxdata, key, value);
+  }
+
+  if (strcmp (key, "bcache") == 0) {
+    if (!*value) {
+      nbdkit_error ("bcache=: give the path of the cache device or file");
+      return -1;
+    }
+    cfg.path = value;
+  }
+  else if (strcmp (key, "bcache-size") == 0)
+    return parse_size_param (key, value, 1 << 20, &cfg.create_size);
+  else if (strcmp (key, "bcache-format") == 0) {
+    if (strcmp (value, "auto") == 0)
+      cfg.format = BCF_FORMAT_AUTO;
+    else if (strcmp (value, "never") == 0)
+      cfg.format = BCF_FORMAT_NEVER;
+    else if (strcmp (value, "force") == 0)
+      cfg.format = BCF_FORMAT_FORCE;
+    else {
+      nbdkit_error ("bcache-format=%s: use auto (format a blank device or "
+                    "one made by make-bcache -C), never (open an existing "
+                    "cache only) or force (destroy what is there)", value);
+      return -1;
+    }
+  }
+  else if (strcmp (key, "bcache-mode") == 0) {
+    int m = bcf_cache_mode_parse (value);
+    if (m == BCF_MODE_WRITEBACK) {
+      nbdkit_error ("bcache-mode=writeback is not supported yet: use "
+                    "writethrough (the default), writearound or none");
+      return -1;
+    }
+    if (m < 0) {
+      nbdkit_error ("bcache-mode=%s: use writethrough (cache reads and "
+                    "writes), writearound (cache reads only) or none", value);
+      return -1;
+    }
+    cfg.mode = (enum bcf_cache_mode) m;
+  }
+  else if (strcmp (key, "bcache-bucket-size") == 0)
+    return parse_pow2_param (key, value, 4096, 8 << 20, &cfg.bucket_size);
+  else if (strcmp (key, "bcache-block-size") == 0)
+    return parse_pow2_param (key, value, 512, 64 << 10, &cfg.block_size);
+  else if (strcmp (key, "bcache-sequential-cutoff") == 0)
+    return parse_size_param (key, value, 0, &cfg.cutoff);
+  else if (strcmp (key, "bcache-backing-uuid") == 0) {
+    if (bch_uuid_parse (value, cfg.uuid) != 0) {
+      nbdkit_error ("bcache-backing-uuid=%s: not a UUID (expected the form "
+                    "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)", value);
+      return -1;
+    }
+    cfg.have_uuid = true;
+  }
+  else if (strcmp (key, "bcache-io") == 0) {
+    if (strcmp (value, "uring") == 0)
+      cfg.io_mode = BCF_IO_URING;
+    else if (strcmp (value, "sync") == 0)
+      cfg.io_mode = BCF_IO_SYNC;
+    else if (strcmp (value, "auto") == 0)
+      cfg.io_mode = BCF_IO_AUTO;
+    else {
+      nbdkit_error ("bcache-io=%s: use uring, sync or auto", value);
+      return -1;
+    }
+  }
+  else if (strcmp (key, "bcache-direct") == 0) {
+    if ((b = nbdkit_parse_bool (value)) == -1)
+      return -1;
+    cfg.direct = b;
+  }
+  else if (strcmp (key, "bcache-ctl") == 0) {
+    if (!*value) {
+      nbdkit_error ("bcache-ctl=: give the path of the control socket");
+      return -1;
+    }
+    cfg.ctl_path = value;
+  }
+  else if (strcmp (key, "bcache-node-cache") == 0)
+    return parse_size_param (key, value, 1 << 20, &cfg.node_cache);
+  else if (strcmp (key, "bcache-journal-delay") == 0) {
+    if (nbdkit_parse_unsigned (key, value, &cfg.journal_delay_ms) == -1)
+      return -1;
+    if (cfg.journal_delay_ms == 0 || cfg.journal_delay_ms > 10000) {
+      nbdkit_error ("bcache-journal-delay=%s: milliseconds, 1 to 10000",
+                    value);
+      return -1;
+    }
+  }
+  else if (strcmp (key, "bcache-error-limit") == 0) {
+    if (nbdkit_parse_unsigned (key, value, &cfg.error_limit) == -1)
+      return -1;
+    if (cfg.error_limit == 0) {
+      nbdkit_error ("bcache-error-limit=0: must be at least 1");
+      return -1;
+    }
+  }
+  else if (strcmp (key, "bcache-test-disable-tracker") == 0) {
+    if ((b = nbdkit_parse_bool (value)) == -1)
+      return -1;
+    cfg.test_no_tracker = b;
+  }
+  else {
+    nbdkit_error ("unknown parameter %s: see nbdkit-bcachefilter-filter(1) "
+                  "or --help for the bcache-* parameters", key);
+    return -1;
+  }
+  (void) v;
+  return 0;
+}
+
+static int
+filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdata)
+{
+  char err[512];
+
+  if (!cfg.path) {
+    nbdkit_error ("bcache=PATH is required: the cache device or file "
+                  "(with bcache-size=SIZE to create a file)");
+    return -1;
+  }
+  if (cfg.block_size && cfg.bucket_size && cfg.block_size > cfg.bucket_size) {
+    nbdkit_error ("bcache-block-size (%" PRIi64 ") is larger than "
+                  "bcache-bucket-size (%" PRIi64 ")", cfg.block_size,
+                  cfg.bucket_size);
+    return -1;
+  }
+  if (cfg.ctl_path && bcf_ctl_check_path (cfg.ctl_path, err, sizeof err) < 0) {
+    nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
+    return -1;
+  }
+  return next (nxdata);
+}
+
+#define filter_config_help \
+  "bcache=PATH                 (required) cache device or file\n" \
+  "bcache-size=SIZE            create the cache file with this size\n" \
+  "bcache-format=auto|never|force  what to do with a non-cache device\n" \
+  "bcache-mode=writethrough|writearound|none  cache mode\n" \
+  "bcache-bucket-size=SIZE     bucket size when formatting (512K)\n" \
+  "bcache-block-size=SIZE      block size when formatting (device block)\n" \
+  "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \
+  "bcache-backing-uuid=UUID    identity of the export in the cache\n" \
+  "bcache-io=uring|sync|auto   cache device I/O (auto)\n" \
+  "bcache-direct=BOOL          use O_DIRECT on the cache (true)\n" \
+  "bcache-ctl=PATH             control socket (bcachefilter-ctl)\n" \
+  "bcache-node-cache=SIZE      btree node cache memory bound (256M)\n" \
+  "bcache-journal-delay=MS     journal batching delay (100)\n" \
+  "bcache-error-limit=N        device errors before passing through (64)\n" \
+  "bcache-test-disable-tracker=BOOL  tests only: unsafe"
+
+/* ---- .get_ready: probe the cache device before forking ---------------------------- */
+
+static bool
+all_zero (const uint8_t *p, size_t n)
+{
+  for (size_t i = 0; i < n; i++)
+    if (p[i])
+      return false;
+  return true;
+}
+
+/* Refuse now, with a clear message, what the open in .after_fork would
+ * refuse anyway: that message would come after nbdkit had forked. */
+static int
+probe_cache_device (void)
+{
+  uint8_t buf[BCH_SB_OFFSET + BCH_SB_AREA_SIZE];
+  struct bch_sb sb;
+  struct bch_diag d;
+  enum bch_status st;
+  struct stat s;
+  ssize_t n;
+  int fd;
+
+  if (stat (cfg.path, &s) == -1) {
+    if (errno == ENOENT && cfg.create_size > 0)
+      return 0;                         /* the engine creates it */
+    if (errno == ENOENT) {
+      nbdkit_error ("bcache=%s does not exist: give bcache-size=SIZE to "
+                    "create a cache file, or the path of a device", cfg.path);
+      return -1;
+    }
+    nbdkit_error ("bcache=%s: %m", cfg.path);
+    return -1;
+  }
+  if (!S_ISREG (s.st_mode) && !S_ISBLK (s.st_mode)) {
+    nbdkit_error ("bcache=%s is neither a regular file nor a block device",
+                  cfg.path);
+    return -1;
+  }
+  fd = open (cfg.path, O_RDWR | O_CLOEXEC);
+  if (fd == -1) {
+    nbdkit_error ("bcache=%s: cannot open for reading and writing: %m (the "
+                  "cache must be writable by the user running nbdkit)",
+                  cfg.path);
+    return -1;
+  }
+  n = pread (fd, buf, sizeof buf, 0);
+  close (fd);
+  if (n < 0) {
+    nbdkit_error ("bcache=%s: cannot read: %m", cfg.path);
+    return -1;
+  }
+  if ((size_t) n < sizeof buf) {
+    nbdkit_error ("bcache=%s is too small to be a cache (%zd bytes)",
+                  cfg.path, n);
+    return -1;
+  }
+  if (cfg.format == BCF_FORMAT_FORCE || all_zero (buf, sizeof buf))
+    return 0;                           /* formatted (or checked) at open */
+  st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &sb, &d);
+  switch (st) {
+  case BCH_OK:
+    return 0;
+  case BCH_ERR_MAGIC:
+    nbdkit_error ("bcache=%s holds data that is not a bcache cache; "
+                  "refusing to overwrite it.  If it really is meant to be "
+                  "a cache, add bcache-format=force (this destroys it)",
+                  cfg.path);
+    return -1;
+  case BCH_ERR_BACKING:
+    nbdkit_error ("bcache=%s is a bcache backing device, not a cache "
+                  "device (make-bcache -C makes cache devices)", cfg.path);
+    return -1;
+  default:
+    nbdkit_error ("bcache=%s: corrupt bcache superblock (%s).  Check it "
+                  "with bcachefilter-show --fsck; bcache-format=force "
+                  "starts a new, empty cache", cfg.path, d.msg);
+    return -1;
+  }
+}
+
+static int
+filter_get_ready (int thread_model)
+{
+  return probe_cache_device ();
+}
+
+/* ---- .after_fork: open the cache -------------------------------------------------- */
+
+/* The engine's view of a backing store: a connection's nbdkit_next.  Only
+ * the size is used at open; requests build their own (see struct bk). */
+struct bk {
+  nbdkit_next *next;
+  uint32_t flags;               /* of the client request (FAST_ZERO) */
+  bool fua_native;
+};
+
+static int
+bk_err (int e)
+{
+  return -(e ? e : EIO);
+}
+
+static int
+bk_pread (void *opaque, void *buf, uint32_t count, uint64_t offset)
+{
+  struct bk *k = opaque;
+  int e = 0;
+
+  return k->next->pread (k->next, buf, count, offset, 0, &e) == -1
+         ? bk_err (e) : 0;
+}
+
+static int
+bk_pwrite (void *opaque, const void *buf, uint32_t count, uint64_t offset,
+           bool fua)
+{
+  struct bk *k = opaque;
+  uint32_t f = fua && k->fua_native ? NBDKIT_FLAG_FUA : 0;
+  int e = 0;
+
+  if (k->next->pwrite (k->next, buf, count, offset, f, &e) == -1)
+    return bk_err (e);
+  if (fua && !k->fua_native &&
+      k->next->flush (k->next, 0, &e) == -1)
+    return bk_err (e);
+  return 0;
+}
+
+static int
+bk_flush (void *opaque)
+{
+  struct bk *k = opaque;
+  int e = 0;
+
+  return k->next->flush (k->next, 0, &e) == -1 ? bk_err (e) : 0;
+}
+
+static int
+bk_trim (void *opaque, uint32_t count, uint64_t offset)
+{
+  struct bk *k = opaque;
+  int e = 0;
+
+  return k->next->trim (k->next, count, offset, 0, &e) == -1
+         ? bk_err (e) : 0;
+}
+
+static int
+bk_zero (void *opaque, uint32_t count, uint64_t offset, bool may_trim)
+{
+  struct bk *k = opaque;
+  uint32_t f = (may_trim ? NBDKIT_FLAG_MAY_TRIM : 0) |
+               (k->flags & NBDKIT_FLAG_FAST_ZERO);
+  int e = 0;
+
+  return k->next->zero (k->next, count, offset, f, &e) == -1
+         ? bk_err (e) : 0;
+}
+
+static int64_t
+bk_size (void *opaque)
+{
+  struct bk *k = opaque;
+  int64_t s = k->next->get_size (k->next);
+
+  return s < 0 ? -EIO : s;
+}
+
+static const struct bcf_backing_ops bk_ops = {
+  .pread = bk_pread, .pwrite = bk_pwrite, .flush = bk_flush,
+  .trim = bk_trim, .zero = bk_zero, .size = bk_size,
+};
+
+/* The size of the export, through a context of our own. */
+static int64_t
+probe_export_size (nbdkit_backend *backend)
+{
+  nbdkit_next *next = nbdkit_next_context_open (backend, 0, "", 1);
+  int64_t size;
+
+  if (!next) {
+    nbdkit_error ("bcachefilter: cannot open the export to learn its size");
+    return -1;
+  }
+  if (next->prepare (next) == -1) {
+    nbdkit_next_context_close (next);
+    return -1;
+  }
+  size = next->get_size (next);
+  next->finalize (next);
+  nbdkit_next_context_close (next);
+  if (size < 0)
+    nbdkit_error ("bcachefilter: cannot get the size of the export");
+  return size;
+}
+
+static int ctl_stats (FILE *fp, bool json, char *err, size_t errlen);
+static int ctl_set (const char *name, const char *value, char *err,
+                    size_t errlen);
+static int ctl_trigger_gc (char *err, size_t errlen);
+static int ctl_show_super (FILE *fp, bool json, char *err, size_t errlen);
+
+static const struct bcf_ctl_ops ctl_ops = {
+  .stats = ctl_stats, .set = ctl_set, .trigger_gc = ctl_trigger_gc,
+  .show_super = ctl_show_super,
+};
+
+/* Fixed-size opaque handed to the engine at open: only .size is called. */
+static struct bk open_bk;
+static int64_t open_size;
+
+static int64_t
+open_size_fn (void *opaque)
+{
+  return open_size;
+}
+
+static const struct bcf_backing_ops open_ops = { .size = open_size_fn };
+
+static int
+filter_after_fork (nbdkit_backend *backend)
+{
+  struct bcf_cache_opts o = { 0 };
+  struct bcf_req_opts ro = { 0 };
+  char err[512];
+  int r;
+
+  open_size = probe_export_size (backend);
+  if (open_size < 0)
+    return -1;
+  export_size = (uint64_t) open_size;
+
+  o.path = cfg.path;
+  o.create_size = (uint64_t) cfg.create_size;
+  o.io_mode = cfg.io_mode;
+  o.direct_off = !cfg.direct;
+  o.format = cfg.format;
+  o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
+  o.block_sectors = (unsigned) (cfg.block_size >> 9);
+  o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &open_bk };
+  if (cfg.have_uuid)
+    memcpy (o.backing_uuid, cfg.uuid, 16);
+  else {
+    /* Derived from the export's identifying parameters. */
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 8; j++)
+        o.backing_uuid[i * 8 + j] = (uint8_t) (id_hash[i] >> (8 * j));
+    o.backing_uuid[6] = (o.backing_uuid[6] & 0x0f) | 0x80;  /* "v8" */
+    o.backing_uuid[8] = (o.backing_uuid[8] & 0x3f) | 0x80;
+  }
+  /* The label is informational and truncated to its 32 bytes. */
+  {
+    const char *label = id_any ? id_text : "nbdkit export";
+    size_t n = strlen (label);
+    if (n > sizeof o.backing_label - 1)
+      n = sizeof o.backing_label - 1;
+    memcpy (o.backing_label, label, n);
+  }
+  o.node_cache_bytes = (size_t) cfg.node_cache;
+  o.journal_delay_ms = cfg.journal_delay_ms;
+  o.log = engine_log;
+
+  r = bcf_cache_open (&o, &cache, err, sizeof err);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: %s", err);
+    if (r == -EEXIST || strstr (err, "another export"))
+      nbdkit_error ("bcachefilter: this cache belongs to another export; "
+                    "give the right bcache-backing-uuid=, or "
+                    "bcache-format=force to start an empty cache here");
+    return -1;
+  }
+  ro.mode = cfg.mode;
+  ro.sequential_cutoff = (uint64_t) cfg.cutoff;
+  ro.error_limit = cfg.error_limit;
+  req = bcf_req_new (cache, &ro);
+  if (!req) {
+    nbdkit_error ("bcachefilter: out of memory");
+    goto fail;
+  }
+  if (cfg.test_no_tracker) {
+    fprintf (stderr, "nbdkit: bcachefilter: WARNING: the in-flight write "
+             "tracker is disabled (bcache-test-disable-tracker): reads may "
+             "cache stale data.  For tests only.\n");
+    bcf_req_test_disable_tracker (req, true);
+  }
+  if ((r = bcf_cache_start_threads (cache)) < 0) {
+    nbdkit_error ("bcachefilter: starting the cache threads: %s",
+                  strerror (-r));
+    goto fail;
+  }
+  if (cfg.ctl_path) {
+    if (bcf_ctl_start (cfg.ctl_path, &ctl_ops, err, sizeof err) < 0) {
+      nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
+      goto fail;
+    }
+    ctl_running = true;
+  }
+  nbdkit_debug ("bcachefilter: cache %s open (%s%s), export %" PRIu64
+                " bytes, mode %s", cfg.path, bcf_cache_io_name (cache),
+                bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
+                export_size, bcf_cache_mode_name (cfg.mode));
+  return 0;
+
+ fail:
+  bcf_req_free (req);
+  req = NULL;
+  bcf_cache_close (cache);
+  cache = NULL;
+  return -1;
+}
+
+static void
+filter_cleanup (nbdkit_backend *backend)
+{
+  if (ctl_running) {
+    bcf_ctl_stop ();
+    ctl_running = false;
+  }
+  if (cache) {
+    int r = bcf_cache_close (cache);     /* stops threads, checkpoints */
+    if (r < 0)
+      nbdkit_error ("bcachefilter: closing the cache: %s (nothing is lost: "
+                    "the next start recovers from the journal)",
+                    strerror (-r));
+    cache = NULL;
+  }
+  bcf_req_free (req);
+  req = NULL;
+}
+
+/* ---- connections ------------------------------------------------------------------ */
+
+static int
+filter_thread_model (void)
+{
+  return NBDKIT_THREAD_MODEL_PARALLEL;
+}
+
+static void *
+filter_open (nbdkit_next_open *next, nbdkit_context *nxdata, int readonly,
+          const char *exportname, int is_tls)
+{
+  if (next (nxdata, readonly, exportname) == -1)
+    return NULL;
+  return NBDKIT_HANDLE_NOT_NEEDED;
+}
+
+static int
+filter_prepare (nbdkit_next *next, void *handle, int readonly)
+{
+  int64_t size = next->get_size (next);
+
+  if (size == -1)
+    return -1;
+  if (!req) {
+    nbdkit_error ("bcachefilter: the cache is not open");
+    return -1;
+  }
+  if ((uint64_t) size != export_size) {
+    nbdkit_error ("bcachefilter: this export has %" PRIi64 " bytes but the "
+                  "cache was opened for %" PRIu64 " bytes (one cache serves "
+                  "one export)", size, export_size);
+    return -1;
+  }
+  return 0;
+}
+
+static int
+filter_can_cache (nbdkit_next *next, void *handle)
+{
+  return NBDKIT_CACHE_NATIVE;
+}
+
+/* A request's view of the backing store. */
+static void
+bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
+         uint32_t flags)
+{
+  k->next = next;
+  k->flags = flags;
+  k->fua_native = next->can_fua (next) == NBDKIT_FUA_NATIVE;
+  b->ops = &bk_ops;
+  b->opaque = k;
+}
+
+static int
+result (int r, int *err)
+{
+  if (r < 0) {
+    *err = -r == ERANGE ? EINVAL : -r;
+    return -1;
+  }
+  return 0;
+}
+
+static int
+filter_pread (nbdkit_next *next, void *handle, void *buf, uint32_t count,
+           uint64_t offset, uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_read (req, &b, buf, count, offset), err);
+}
+
+static int
+filter_pwrite (nbdkit_next *next, void *handle, const void *buf, uint32_t count,
+            uint64_t offset, uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_write (req, &b, buf, count, offset,
+                                flags & NBDKIT_FLAG_FUA), err);
+}
+
+static int
+filter_flush (nbdkit_next *next, void *handle, uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_flush (req, &b), err);
+}
+
+static int
+filter_trim (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset,
+          uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_trim (req, &b, count, offset,
+                               flags & NBDKIT_FLAG_FUA), err);
+}
+
+static int
+filter_zero (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset,
+          uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_zero (req, &b, count, offset,
+                               flags & NBDKIT_FLAG_MAY_TRIM,
+                               flags & NBDKIT_FLAG_FUA), err);
+}
+
+static int
+filter_cache_op (nbdkit_next *next, void *handle, uint32_t count,
+              uint64_t offset, uint32_t flags, int *err)
+{
+  struct bk k;
+  struct bcf_backing b;
+
+  bk_init (&k, &b, next, flags);
+  return result (bcf_req_prefetch (req, &b, count, offset), err);
+}
+
+/* Block status: the backing store's answer, unless the cache holds data
+ * there that the backing store does not have yet (dirty): then all data,
+ * so no client skips it as a hole or zeroes. */
+static int
+filter_extents (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset,
+             uint32_t flags, struct nbdkit_extents *extents, int *err)
+{
+  int d = bcf_req_has_dirty (req, count, offset);
+
+  if (d < 0) {
+    *err = -d;
+    return -1;
+  }
+  if (d > 0)
+    return nbdkit_add_extent (extents, offset, count, 0);
+  return next->extents (next, count, offset, flags, extents, err);
+}
+
+/* ---- control socket --------------------------------------------------------------- */
+
+static void
+print_time_stat (FILE *fp, bool json, const char *name,
+                 const struct bcf_time_stat *t, bool *first)
+{
+  if (json)
+    fprintf (fp, "%s\"%s\": {\"count\": %" PRIu64 ", \"total_ns\": %" PRIu64
+             ", \"max_ns\": %" PRIu64 ", \"last_ns\": %" PRIu64 "}",
+             *first ? "" : ", ", name, t->count, t->total_ns, t->max_ns,
+             t->last_ns);
+  else
+    fprintf (fp, "%-28s count %" PRIu64 ", avg %.3f ms, max %.3f ms\n", name,
+             t->count, t->count ? t->total_ns / 1e6 / (double) t->count : 0.0,
+             t->max_ns / 1e6);
+  *first = false;
+}
+
+static void
+print_u64 (FILE *fp, bool json, const char *name, uint64_t v, bool *first)
+{
+  if (json)
+    fprintf (fp, "%s\"%s\": %" PRIu64, *first ? "" : ", ", name, v);
+  else
+    fprintf (fp, "%-28s %" PRIu64 "\n", name, v);
+  *first = false;
+}
+
+static void
+print_views (FILE *fp, bool json)
+{
+  struct bcf_stats *s = bcf_req_counters (req);
+
+  if (json)
+    fprintf (fp, "\"views\": {");
+  for (int v = 0; v < BCF_VIEW__COUNT; v++) {
+    uint64_t c[BCF_STAT__COUNT];
+    bool first = true;
+    uint64_t lookups;
+
+    bcf_stats_get (s, (enum bcf_stat_view) v, c);
+    lookups = c[BCF_STAT_HITS] + c[BCF_STAT_MISSES];
+    if (json)
+      fprintf (fp, "%s\"%s\": {", v ? ", " : "",
+               bcf_stat_view_name ((enum bcf_stat_view) v));
+    else
+      fprintf (fp, "[%s]\n", bcf_stat_view_name ((enum bcf_stat_view) v));
+    for (int k = 0; k < BCF_STAT__COUNT; k++)
+      print_u64 (fp, json, bcf_stat_name ((enum bcf_stat_counter) k), c[k],
+                 &first);
+    print_u64 (fp, json, "cache_hit_ratio",
+               lookups ? c[BCF_STAT_HITS] * 100 / lookups : 0, &first);
+    if (json)
+      fprintf (fp, "}");
+  }
+  if (json)
+    fprintf (fp, "}, ");
+}
+
+static int
+ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
+{
+  struct bcf_cache_stats st;
+  struct bcf_req_stats rs;
+  bool first = true;
+  uint64_t c[BCF_STAT__COUNT];
+
+  if (!req) {
+    snprintf (err, errlen, "the cache is not open");
+    return -1;
+  }
+  bcf_cache_stats (cache, &st);
+  bcf_req_get_stats (req, &rs);
+  bcf_stats_get (bcf_req_counters (req), BCF_VIEW_TOTAL, c);
+
+  if (json) {
+    fprintf (fp, "{\"cache_mode\": \"%s\", \"sequential_cutoff\": %" PRIu64
+             ", \"passthrough\": %s, ",
+             bcf_cache_mode_name (bcf_req_mode (req)),
+             bcf_req_sequential_cutoff (req), rs.passthrough ? "true" : "false");
+    /* The totals at the top level too, under bcache's names. */
+    for (int k = 0; k < BCF_STAT__COUNT; k++)
+      fprintf (fp, "\"%s\": %" PRIu64 ", ",
+               bcf_stat_name ((enum bcf_stat_counter) k), c[k]);
+    print_views (fp, json);
+    fprintf (fp, "\"engine\": {");
+  }
+  else {
+    fprintf (fp, "%-28s %s\n", "cache_mode",
+             bcf_cache_mode_name (bcf_req_mode (req)));
+    fprintf (fp, "%-28s %" PRIu64 "\n", "sequential_cutoff",
+             bcf_req_sequential_cutoff (req));
+    fprintf (fp, "%-28s %s\n", "passthrough", rs.passthrough ? "yes" : "no");
+    print_views (fp, json);
+    fprintf (fp, "[cache]\n");
+  }
+  if (!json)      /* at the top level in JSON */
+    print_u64 (fp, json, "device_errors", rs.device_errors, &first);
+  print_u64 (fp, json, "nbuckets", st.nbuckets, &first);
+  print_u64 (fp, json, "bucket_bytes", st.bucket_bytes, &first);
+  print_u64 (fp, json, "block_bytes", st.block_bytes, &first);
+  print_u64 (fp, json, "buckets_free", st.buckets_free, &first);
+  print_u64 (fp, json, "buckets_clean", st.buckets_clean, &first);
+  print_u64 (fp, json, "buckets_dirty", st.buckets_dirty, &first);
+  print_u64 (fp, json, "buckets_meta", st.buckets_meta, &first);
+  print_u64 (fp, json, "dirty_data", st.dirty_sectors << 9, &first);
+  print_u64 (fp, json, "btree_nodes", st.btree_nodes, &first);
+  print_u64 (fp, json, "btree_depth", st.btree_depth, &first);
+  print_u64 (fp, json, "btree_keys", st.btree_keys, &first);
+  print_u64 (fp, json, "btree_cache_bytes", st.btree_cache_bytes, &first);
+  print_u64 (fp, json, "btree_evictions", st.btree_evictions, &first);
+  print_u64 (fp, json, "btree_loads", st.btree_loads, &first);
+  print_u64 (fp, json, "journal_seq", st.journal_seq, &first);
+  print_u64 (fp, json, "journal_last_seq", st.journal_last_seq, &first);
+  print_u64 (fp, json, "journal_writes", st.journal_writes, &first);
+  print_u64 (fp, json, "inserts", st.inserts, &first);
+  print_u64 (fp, json, "invalidates", st.invalidates, &first);
+  print_u64 (fp, json, "gc_passes", st.gc_passes, &first);
+  print_u64 (fp, json, "gc_slices", st.gc_slices, &first);
+  print_u64 (fp, json, "gc_nodes", st.gc_nodes, &first);
+  print_u64 (fp, json, "gc_coalesced", st.gc_coalesced, &first);
+  print_time_stat (fp, json, "gc", &st.gc, &first);
+  print_time_stat (fp, json, "btree_split", &st.btree_split, &first);
+  print_time_stat (fp, json, "journal_write", &st.journal_write, &first);
+  print_time_stat (fp, json, "alloc_wait", &st.alloc_wait, &first);
+  print_time_stat (fp, json, "checkpoint", &st.checkpoint, &first);
+  print_u64 (fp, json, "tracker_bytes", rs.bypass_bytes_now, &first);
+  print_u64 (fp, json, "tracker_peak_bytes", rs.bypass_bytes_peak, &first);
+  print_u64 (fp, json, "tracker_pages", rs.bypass_pages, &first);
+  print_u64 (fp, json, "tracker_reserve_uses", rs.bypass_reserve_uses, &first);
+  print_u64 (fp, json, "tracker_in_flight", rs.bypass_in_flight, &first);
+  if (json)
+    fprintf (fp, "}, \"device_errors\": %" PRIu64 "}\n", rs.device_errors);
+  return 0;
+}
+
+static int
+ctl_set (const char *name, const char *value, char *err, size_t errlen)
+{
+  if (!req) {
+    snprintf (err, errlen, "the cache is not open");
+    return -1;
+  }
+  if (strcmp (name, "cache_mode") == 0) {
+    int m = bcf_cache_mode_parse (value);
+    if (m == BCF_MODE_WRITEBACK) {
+      snprintf (err, errlen, "cache_mode writeback is not supported yet; "
+                "use writethrough, writearound or none");
+      return -1;
+    }
+    if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0) {
+      snprintf (err, errlen, "unknown cache_mode '%s'; use writethrough, "
+                "writearound or none", value);
+      return -1;
+    }
+    fprintf (stderr, "nbdkit: bcachefilter: cache_mode set to %s\n", value);
+    return 0;
+  }
+  if (strcmp (name, "sequential_cutoff") == 0) {
+    char *end;
+    unsigned long long v;
+
+    errno = 0;
+    v = strtoull (value, &end, 10);
+    if (errno || end == value || *end) {
+      snprintf (err, errlen, "sequential_cutoff '%s': give a number of bytes",
+                value);
+      return -1;
+    }
+    bcf_req_set_sequential_cutoff (req, v);
+    return 0;
+  }
+  snprintf (err, errlen, "unknown setting '%s'; settable: cache_mode, "
+            "sequential_cutoff", name);
+  return -1;
+}
+
+static int
+ctl_trigger_gc (char *err, size_t errlen)
+{
+  if (!cache) {
+    snprintf (err, errlen, "the cache is not open");
+    return -1;
+  }
+  bcf_trigger_gc (cache);
+  return 0;
+}
+
+/* A JSON string literal (paths may hold anything). */
+static void
+json_string (FILE *fp, const char *s)
+{
+  fputc ('"', fp);
+  for (; *s; s++) {
+    unsigned char ch = (unsigned char) *s;
+    if (ch == '"' || ch == '\\')
+      fprintf (fp, "\\%c", ch);
+    else if (ch < 0x20)
+      fprintf (fp, "\\u%04x", ch);
+    else
+      fputc (ch, fp);
+  }
+  fputc ('"', fp);
+}
+
+static int
+ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
+{
+  const struct bch_sb *sb;
+  char set_uuid[37], uuid[37];
+
+  if (!cache) {
+    snprintf (err, errlen, "the cache is not open");
+    return -1;
+  }
+  sb = bcf_cache_super (cache);
+  bch_uuid_unparse (sb->set_uuid, set_uuid);
+  bch_uuid_unparse (sb->uuid, uuid);
+  if (json) {
+    fprintf (fp, "{\"path\": ");
+    json_string (fp, cfg.path);
+    fprintf (fp, ", \"version\": %" PRIu64 ", "
+             "\"cset_uuid\": \"%s\", \"dev_uuid\": \"%s\", "
+             "\"block_size\": %u, \"bucket_size\": %u, \"nbuckets\": %" PRIu64
+             ", \"first_bucket\": %u, \"njournal_buckets\": %u, "
+             "\"sync\": %s, \"io\": \"%s\", \"direct\": %s, "
+             "\"export_size\": %" PRIu64 "}\n",
+             sb->version, set_uuid, uuid,
+             (unsigned) sb->block_size << 9, (unsigned) sb->bucket_size << 9,
+             sb->nbuckets, sb->first_bucket, sb->njournal_buckets,
+             sb->flags & BCH_CACHE_SYNC ? "true" : "false",
+             bcf_cache_io_name (cache),
+             bcf_cache_io_direct (cache) ? "true" : "false", export_size);
+  }
+  else
+    fprintf (fp, "path                 %s\n"
+             "sb.version           %" PRIu64 "\n"
+             "cset.uuid            %s\n"
+             "dev.uuid             %s\n"
+             "dev.sectors_per_block %u\n"
+             "dev.sectors_per_bucket %u\n"
+             "dev.cache.first_bucket %u\n"
+             "dev.cache.nbuckets   %" PRIu64 "\n"
+             "journal_buckets      %u\n"
+             "cache_sync           %s\n"
+             "io                   %s%s\n"
+             "export_size          %" PRIu64 "\n",
+             cfg.path, sb->version, set_uuid, uuid,
+             (unsigned) sb->block_size, (unsigned) sb->bucket_size,
+             sb->first_bucket, sb->nbuckets, sb->njournal_buckets,
+             sb->flags & BCH_CACHE_SYNC ? "yes" : "no",
+             bcf_cache_io_name (cache),
+             bcf_cache_io_direct (cache) ? ", O_DIRECT" : "", export_size);
+  return 0;
+}
+
+static struct nbdkit_filter filter = {
+  .name = "bcachefilter",
+  .longname = "nbdkit bcache-format persistent cache filter",
+  .config = filter_config,
+  .config_complete = filter_config_complete,
+  .config_help = filter_config_help,
+  .thread_model = filter_thread_model,
+  .get_ready = filter_get_ready,
+  .after_fork = filter_after_fork,
+  .cleanup = filter_cleanup,
+  .open = filter_open,
+  .prepare = filter_prepare,
+  .can_cache = filter_can_cache,
+  .pread = filter_pread,
+  .pwrite = filter_pwrite,
+  .flush = filter_flush,
+  .trim = filter_trim,
+  .zero = filter_zero,
+  .extents = filter_extents,
+  .cache = filter_cache_op,
+};
+
+NBDKIT_REGISTER_FILTER (filter)
