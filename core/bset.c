@@ -9,6 +9,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,26 +67,110 @@ ckey_from_bkey (const struct bkey *b, struct ckey *out)
   return true;
 }
 
+/* ---- sharing (copy on write) ---------------------------------------------- */
+
+struct keyset_share {
+  atomic_uint ref;
+  struct ckey *k;             /* freed with the last reference */
+};
+
+struct keyset_share *
+keyset_share (struct keyset *s)
+{
+  if (!s->share) {
+    s->share = malloc (sizeof *s->share);
+    if (!s->share)
+      return NULL;
+    atomic_init (&s->share->ref, 1);      /* the set's own reference */
+    s->share->k = s->k;
+  }
+  atomic_fetch_add_explicit (&s->share->ref, 1, memory_order_relaxed);
+  return s->share;
+}
+
+void
+keyset_share_put (struct keyset_share *sh)
+{
+  if (atomic_fetch_sub_explicit (&sh->ref, 1, memory_order_acq_rel) == 1) {
+    free (sh->k);
+    free (sh);
+  }
+}
+
+/* Make s->k the set's own, with room for at least cap keys. */
+static int
+unshare (struct keyset *s, size_t cap)
+{
+  struct keyset_share *sh = s->share;
+  struct ckey *k;
+
+  if (!sh)
+    return 0;
+  if (atomic_load_explicit (&sh->ref, memory_order_acquire) == 1) {
+    /* Every other holder is done with it: it is ours again. */
+    free (sh);
+    s->share = NULL;
+    return 0;
+  }
+  if (cap < s->cap)
+    cap = s->cap;
+  k = malloc ((cap ? cap : 1) * sizeof *k);
+  if (!k)
+    return -ENOMEM;
+  if (s->nr)
+    memcpy (k, s->k, s->nr * sizeof *k);
+  s->k = k;
+  s->cap = cap;
+  s->share = NULL;
+  keyset_share_put (sh);
+  return 0;
+}
+
+int
+keyset_unshare (struct keyset *s)
+{
+  return unshare (s, 0);
+}
+
+/* ---- sets ------------------------------------------------------------------ */
+
+static inline void
+account (struct keyset *s, const struct ckey *k, int sign)
+{
+  s->words += (size_t) (sign * (int) bkey_u64s (ckey_bkey (k)));
+  s->ndirty += (size_t) (sign * (int) ckey_dirty (k));
+}
+
 void
 keyset_init (struct keyset *s, bool keep_whiteouts)
 {
   s->k = NULL;
   s->nr = s->cap = 0;
+  s->words = s->ndirty = 0;
+  s->share = NULL;
   s->keep_whiteouts = keep_whiteouts;
 }
 
 void
 keyset_free (struct keyset *s)
 {
-  free (s->k);
+  if (s->share)
+    keyset_share_put (s->share);
+  else
+    free (s->k);
   s->k = NULL;
+  s->share = NULL;
   s->nr = s->cap = 0;
+  s->words = s->ndirty = 0;
 }
 
 void
 keyset_clear (struct keyset *s)
 {
+  if (s->share)
+    keyset_free (s);          /* keep no copy of a shared array */
   s->nr = 0;
+  s->words = s->ndirty = 0;
 }
 
 int
@@ -95,10 +180,12 @@ keyset_reserve (struct keyset *s, size_t n)
   struct ckey *k;
 
   if (n <= s->cap)
-    return 0;
+    return unshare (s, 0);
   cap = s->cap ? s->cap : 16;
   while (cap < n)
     cap *= 2;
+  if (s->share)
+    return unshare (s, cap) < 0 ? -ENOMEM : keyset_reserve (s, n);
   k = realloc (s->k, cap * sizeof *k);
   if (!k)
     return -ENOMEM;
@@ -128,11 +215,14 @@ insert_at (struct keyset *s, size_t i, const struct ckey *k)
   memmove (&s->k[i + 1], &s->k[i], (s->nr - i) * sizeof *k);
   s->k[i] = *k;
   s->nr++;
+  account (s, k, 1);
 }
 
 static void
 remove_range (struct keyset *s, size_t i, size_t n)
 {
+  for (size_t j = i; j < i + n; j++)
+    account (s, &s->k[j], -1);
   memmove (&s->k[i], &s->k[i + n], (s->nr - i - n) * sizeof s->k[0]);
   s->nr -= n;
 }
@@ -233,8 +323,12 @@ keyset_put (struct keyset *s, const struct ckey *k)
 {
   size_t i = keyset_search (s, ckey_inode (k), ckey_end (k));
 
+  if (keyset_unshare (s) < 0)
+    return -ENOMEM;
   if (i > 0 && ckey_cmp (&s->k[i - 1], k) == 0) {
+    account (s, &s->k[i - 1], -1);
     s->k[i - 1] = *k;
+    account (s, k, 1);
     return 0;
   }
   if (keyset_reserve (s, s->nr + 1) < 0)
@@ -243,16 +337,18 @@ keyset_put (struct keyset *s, const struct ckey *k)
   return 0;
 }
 
-bool
+int
 keyset_del (struct keyset *s, const struct ckey *k)
 {
   size_t i = keyset_search (s, ckey_inode (k), ckey_end (k));
 
   if (i > 0 && ckey_cmp (&s->k[i - 1], k) == 0) {
+    if (keyset_unshare (s) < 0)
+      return -ENOMEM;
     remove_range (s, i - 1, 1);
-    return true;
+    return 1;
   }
-  return false;
+  return 0;
 }
 
 int
@@ -261,12 +357,21 @@ keyset_append (struct keyset *s, const struct ckey *k)
   if (keyset_reserve (s, s->nr + 1) < 0)
     return -ENOMEM;
   s->k[s->nr++] = *k;
+  account (s, k, 1);
   return 0;
 }
 
 const char *
 keyset_check (const struct keyset *s, unsigned level)
 {
+  size_t words = 0, ndirty = 0;
+
+  for (size_t i = 0; i < s->nr; i++) {
+    words += bkey_u64s (ckey_bkey (&s->k[i]));
+    ndirty += ckey_dirty (&s->k[i]);
+  }
+  if (words != s->words || ndirty != s->ndirty)
+    return "key counters (words, dirty) out of date";
   for (size_t i = 0; i < s->nr; i++) {
     const struct ckey *k = &s->k[i];
 

@@ -29,8 +29,14 @@
  * still matches; we insert all or nothing, which is simpler and only ever
  * loses a caching opportunity, never correctness.
  *
+ * Each set keeps the on-disk size of its keys (words) and its count of
+ * dirty keys up to date, so a checkpoint sizes a bset and the node cache
+ * finds clean leaves without walking keys under the btree lock.
+ *
  * Locking: none here; the btree (btree.c) serialises access to a node's
- * sets.
+ * sets.  The one exception is a shared array (keyset_share), which its
+ * holder reads without the lock: nothing ever writes a shared array, and
+ * its reference count is atomic.
  */
 #ifndef BCACHEFILTER_BSET_H
 #define BCACHEFILTER_BSET_H
@@ -96,10 +102,18 @@ void ckey_cut_back (struct ckey *k, uint64_t n);
  * for keys with more than one pointer. */
 bool ckey_from_bkey (const struct bkey *k, struct ckey *out);
 
+/* An array of keys shared, copy on write, between a keyset and a reader
+ * that works without the btree lock (the checkpoint encoding a node it
+ * captured): see keyset_share. */
+struct keyset_share;
+
 struct keyset {
   struct ckey *k;
   size_t nr;
   size_t cap;
+  size_t words;               /* sum of bkey_u64s: the keys' size on disk */
+  size_t ndirty;              /* keys with KEY_DIRTY */
+  struct keyset_share *share; /* k is shared (copy on write): NULL if not */
   bool keep_whiteouts;
 };
 
@@ -108,6 +122,21 @@ void keyset_free (struct keyset *s);
 void keyset_clear (struct keyset *s);
 /* Make room for n keys; -ENOMEM on failure. */
 int keyset_reserve (struct keyset *s, size_t n);
+
+/* Copy on write.  keyset_share returns a reference to the set's current
+ * array (s->k, s->nr keys), which stays valid and unchanged until the
+ * caller drops it with keyset_share_put, whatever happens to the set
+ * meanwhile: the first change of the set after keyset_share copies the
+ * array first (unless the reference was already dropped), and freeing
+ * or clearing the set only drops the set's own reference.  So a capture
+ * under the btree lock costs O(1) instead of a copy of the node.  The
+ * reference count is atomic: keyset_share_put may run in any thread,
+ * without the lock that protects the set.  NULL on ENOMEM. */
+struct keyset_share *keyset_share (struct keyset *s);
+void keyset_share_put (struct keyset_share *sh);
+/* Make the set's array its own (copy if still shared); 0 or -ENOMEM.
+ * Every function below that changes the set does this first. */
+int keyset_unshare (struct keyset *s);
 /* Bytes of memory held. */
 static inline size_t keyset_bytes (const struct keyset *s)
 { return s->cap * sizeof (struct ckey); }
@@ -129,16 +158,17 @@ bool keyset_replace_matches (const struct keyset *s, const struct ckey *k,
                              const struct ckey *expect);
 
 /* Interior sets: add or replace the key with exactly this (inode,
- * offset); remove it.  keyset_put returns 0 or -ENOMEM. */
+ * offset); remove it.  keyset_put returns 0 or -ENOMEM; keyset_del 1 if
+ * it removed the key, 0 if there was none, -ENOMEM. */
 int keyset_put (struct keyset *s, const struct ckey *k);
-bool keyset_del (struct keyset *s, const struct ckey *k);
+int keyset_del (struct keyset *s, const struct ckey *k);
 
 /* Append a key known to sort after every key in the set (bulk loading
  * from disk and compaction).  Returns 0 or -ENOMEM. */
 int keyset_append (struct keyset *s, const struct ckey *k);
 
 /* Check the set's invariants: sorted, non-overlapping (leaves), sizes
- * consistent.  Returns NULL or a static description of the first
+ * and counters (words, ndirty) consistent.  Returns NULL or a static description of the first
  * violation (for tests and fsck). */
 const char *keyset_check (const struct keyset *s, unsigned level);
 

@@ -17,11 +17,15 @@
  *      node, pick for each dirty node what to write — its open set as a
  *      new bset appended at `written`, or the whole node into a new bucket
  *      when it is new or its log is full (copy on write; the parent gets
- *      the new pointer) — and encode those bsets into buffers; seal the
- *      open journal entry (keys journalled from now on are not in this
- *      snapshot);
- *   2. without locks: flush the device (data before the keys that point
- *      at it), write the buffers, flush (children before parents);
+ *      the new pointer) — and capture those keys: an open set is taken
+ *      whole, a node's merged keys are shared copy-on-write
+ *      (keyset_share), and the bset's size comes from the set's word
+ *      count, so this step is O(nodes), never O(keys) (DESIGN.md I5: the
+ *      lock is held for about 1 ms at 1M keys); seal the open journal
+ *      entry (keys journalled from now on are not in this snapshot);
+ *   2. without locks: encode and checksum the captured keys, flush the
+ *      device (data before the keys that point at it), write the
+ *      buffers, flush (children before parents);
  *   3. write a journal entry carrying the new root and last_seq = the
  *      sealed entry + 1, and wait for it: from then on recovery starts
  *      from this tree and replays only newer entries;
@@ -52,6 +56,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -400,8 +405,8 @@ btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
     keyset_append (&x->keys, &n->keys.k[k]);
   for (size_t k = 0; k < m->keys.nr; k++)
     keyset_append (&x->keys, &m->keys.k[k]);
-  keyset_del (&p->keys, &n->key);
-  if ((r = keyset_put (&p->keys, &x->key)) < 0)
+  if ((r = keyset_del (&p->keys, &n->key)) < 0 ||
+      (r = keyset_put (&p->keys, &x->key)) < 0)
     return r;
   keyset_clear (&p->open);
   if (!p->rewrite && (r = relocate_node (c, p)) < 0)
@@ -497,18 +502,18 @@ btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
 
 /* ---- the node cache -------------------------------------------------------- */
 
-/* The LRU clock is the checkpoint epoch, not a counter bumped per use:
- * a lookup must not write a cache line every other lookup also writes.
- * Eviction runs at checkpoints, so "used since the last one" is the
- * resolution it needs.  The node's line is written only when the epoch
- * moved.  Callers hold tree_lock (read or write); epoch changes only under
- * the write lock, and last_use is atomic because readers store to it
- * concurrently. */
+/* The LRU clock ticks at each eviction pass (checkpoints, and
+ * btree_evict_maybe), not per use: a lookup must not write a cache line
+ * every other lookup also writes, and "used since the last pass" is the
+ * resolution eviction needs.  The node's line is written only when the
+ * clock moved.  Callers hold tree_lock (read or write); the clock changes
+ * only under the write lock, and last_use is atomic because readers store
+ * to it concurrently. */
 void
 btree_touch (struct bcf_cache *c, struct btree_node *n)
 {
-  if (__atomic_load_n (&n->last_use, __ATOMIC_RELAXED) != c->tree.epoch)
-    __atomic_store_n (&n->last_use, c->tree.epoch, __ATOMIC_RELAXED);
+  if (__atomic_load_n (&n->last_use, __ATOMIC_RELAXED) != c->tree.lru_clock)
+    __atomic_store_n (&n->last_use, c->tree.lru_clock, __ATOMIC_RELAXED);
 }
 
 bool
@@ -552,6 +557,7 @@ btree_load_evicted (struct bcf_cache *c, const struct ckey *key)
       keyset_init (&tmp.keys, false);
       n->evicted = false;
       c->tree.nkeys += n->keys.nr;
+      c->tree.cache_bytes += keyset_bytes (&n->keys);
       btree_touch (c, n);
       __atomic_add_fetch (&c->tree.loads, 1, __ATOMIC_RELAXED);
     }
@@ -576,16 +582,13 @@ static int
 count_cache (struct bcf_cache *c, struct btree_node *n, void *opaque)
 {
   struct evict_ctx *e = opaque;
-  bool dirty = false;
 
   e->bytes += keyset_bytes (&n->keys) + keyset_bytes (&n->open);
   if (n->level > 0 || n->evicted || n->rewrite || n->open.nr ||
       n == c->tree.root)
     return 0;
   /* Dirty data must stay countable without I/O (writeback, identity). */
-  for (size_t i = 0; i < n->keys.nr && !dirty; i++)
-    dirty = ckey_dirty (&n->keys.k[i]);
-  if (dirty)
+  if (n->keys.ndirty)
     return 0;
   if (e->n == e->cap) {
     size_t cap = e->cap ? e->cap * 2 : 64;
@@ -607,12 +610,35 @@ cmp_last_use (const void *a, const void *b)
   return x->last_use < y->last_use ? -1 : x->last_use > y->last_use;
 }
 
+static size_t
+cache_limit (const struct bcf_cache *c)
+{
+  return c->opts.node_cache_bytes ? c->opts.node_cache_bytes
+         : (size_t) 256 << 20;
+}
+
+void
+btree_evict_maybe (struct bcf_cache *c)
+{
+  bool over;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  over = c->tree.cache_bytes > cache_limit (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  if (!over)
+    return;
+  pthread_rwlock_wrlock (&c->tree_lock);
+  btree_evict_locked (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+}
+
 void
 btree_evict_locked (struct bcf_cache *c)
 {
-  const size_t limit = c->opts.node_cache_bytes ? c->opts.node_cache_bytes
-                       : (size_t) 256 << 20;
+  const size_t limit = cache_limit (c);
   struct evict_ctx e = { 0 };
+
+  c->tree.lru_clock++;
 
   btree_visit (c, count_cache, &e);
   c->tree.cache_bytes = e.bytes;
@@ -826,7 +852,9 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
 
 struct node_write {
   /* Captured under the lock (phase 1): */
-  struct ckey *keys;          /* owned copy of the keys to write */
+  struct ckey *keys;          /* the keys to write: owned (a stolen open
+                                 set), or shared with the node (share) */
+  struct keyset_share *share; /* reference to the node's merged keys */
   size_t nkeys;
   uint64_t seq, ptr0;         /* the node's bset seq and pointer (csum seed) */
   uint64_t off;               /* device bytes */
@@ -851,16 +879,17 @@ round_block (const struct bcf_cache *c, size_t x)
 /* Phase 1, under the lock: take the keys one bset of node n will hold,
  * at byte `at` of the node.  With steal, the array itself is taken (the
  * open set, which the caller then re-initialises); otherwise it is
- * copied (the merged view of a node written whole).  Only this copy and
- * the exact size happen under the lock; encoding and checksumming, the
- * expensive part, wait for phase 2 (encode_bset).  Returns the
- * block-rounded size, or 0 on ENOMEM. */
+ * shared copy-on-write (the merged view of a node written whole: the
+ * node copies it only if it changes before phase 2 is done with it).
+ * Both are O(1): the size comes from the set's word count, and encoding
+ * and checksumming, the expensive part, wait for phase 2 (encode_bset),
+ * so the lock is not held for anything proportional to the keys.
+ * Returns the block-rounded size, or 0 on ENOMEM. */
 static size_t
 capture_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
               struct keyset *s, bool steal, size_t at)
 {
   struct node_write *w;
-  size_t words = 0;
 
   if (ck->nw == ck->cap) {
     size_t cap = ck->cap ? ck->cap * 2 : 32;
@@ -873,22 +902,22 @@ capture_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
   w = &ck->w[ck->nw];
   memset (w, 0, sizeof *w);
   if (steal) {
+    if (keyset_unshare (s) < 0)       /* open sets are never shared */
+      return 0;
     w->keys = s->k;
     s->k = NULL;
     s->cap = 0;
   }
   else if (s->nr) {
-    w->keys = malloc (s->nr * sizeof *w->keys);
-    if (!w->keys)
+    w->share = keyset_share (s);
+    if (!w->share)
       return 0;
-    memcpy (w->keys, s->k, s->nr * sizeof *w->keys);
+    w->keys = s->k;
   }
   w->nkeys = s->nr;
-  for (size_t i = 0; i < w->nkeys; i++)
-    words += bkey_u64s (ckey_bkey (&w->keys[i]));
   w->seq = n->seq;
   w->ptr0 = n->key.ptr;
-  w->len = round_block (c, BCH_BSET_HEADER_SIZE + words * 8);
+  w->len = round_block (c, BCH_BSET_HEADER_SIZE + s->words * 8);
   w->off = node_bucket (c, n) * c->bucket_bytes + at;
   w->level = n->level;
   bcf_log (c, BCF_LOG_DEBUG, "node write: bucket %" PRIu64 " level %u at "
@@ -1000,32 +1029,58 @@ count_relocations (struct bcf_cache *c, struct btree_node *n, void *opaque)
 }
 
 /* Split every node that outgrew a node.  Returns -EAGAIN if buckets ran
- * out. */
-struct oversize_ctx { struct btree_node *found; };
+ * out.  One walk of the tree finds every oversized node of the lowest
+ * level that has any; splitting one of them frees only it and perhaps
+ * ancestors (which split_node splits in turn), never another node of the
+ * same level, so they are all split before the next walk. */
+struct oversize_ctx {
+  struct btree_node **found;
+  size_t n, cap;
+  unsigned level;
+  bool nomem;
+};
 static int
 find_oversized (struct bcf_cache *c, struct btree_node *n, void *opaque)
 {
   struct oversize_ctx *o = opaque;
-  if (n->keys.nr > c->tree.max_leaf_keys) {
-    o->found = n;
-    return 1;
+
+  if (n->keys.nr <= c->tree.max_leaf_keys || n->level > o->level)
+    return 0;
+  if (n->level < o->level) {
+    o->level = n->level;
+    o->n = 0;
   }
+  if (o->n == o->cap) {
+    size_t cap = o->cap ? o->cap * 2 : 16;
+    void *p = realloc (o->found, cap * sizeof *o->found);
+    if (!p) {
+      o->nomem = true;
+      return 1;
+    }
+    o->found = p;
+    o->cap = cap;
+  }
+  o->found[o->n++] = n;
   return 0;
 }
 
 static int
 split_oversized (struct bcf_cache *c)
 {
-  for (;;) {
-    struct oversize_ctx o = { NULL };
-    int r;
+  struct oversize_ctx o = { 0 };
+  int r = 0;
 
+  do {
+    o.n = 0;
+    o.level = UINT_MAX;
     btree_visit (c, find_oversized, &o);
-    if (!o.found)
-      return 0;
-    if ((r = split_node (c, o.found)) < 0)
-      return r;
-  }
+    if (o.nomem)
+      r = -ENOMEM;
+    for (size_t i = 0; i < o.n && r == 0; i++)
+      r = split_node (c, o.found[i]);
+  } while (r == 0 && o.n);
+  free (o.found);
+  return r;
 }
 
 static void
@@ -1034,7 +1089,10 @@ ckpt_free (struct ckpt *ck)
   for (size_t i = 0; i < ck->nw; i++) {
     if (ck->w[i].buf)
       bcf_buf_free (ck->w[i].buf, ck->w[i].alloc);
-    free (ck->w[i].keys);
+    if (ck->w[i].share)
+      keyset_share_put (ck->w[i].share);
+    else
+      free (ck->w[i].keys);
   }
   free (ck->w);
 }
@@ -1045,9 +1103,11 @@ static int
 snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
           unsigned *root_level, uint64_t *last_seq, uint64_t *epoch)
 {
+  uint64_t t0;
   int r;
 
   pthread_rwlock_wrlock (&c->tree_lock);
+  t0 = bcf_now_ns ();
   r = split_oversized (c);
   /* Nothing below may fail half way: it clears open sets and advances
    * `written` as it encodes.  So first make sure every relocation can get
@@ -1079,6 +1139,7 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
     *last_seq = journal_seal_locked (c) + 1;
     *epoch = c->tree.epoch++;
   }
+  bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t0);
   pthread_rwlock_unlock (&c->tree_lock);
   return r;
 }
@@ -1096,7 +1157,7 @@ btree_checkpoint (struct bcf_cache *c)
   struct ckpt ck = { 0 };
   struct ckey root = { 0 };
   unsigned root_level = 0, level;
-  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns ();
+  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns (), t1;
   size_t i, j;
   int r, tries = 0;
 
@@ -1165,6 +1226,7 @@ btree_checkpoint (struct bcf_cache *c)
 
   /* Phase 4: buckets freed before this snapshot are unreachable now. */
   pthread_rwlock_wrlock (&c->tree_lock);
+  t1 = bcf_now_ns ();
   for (i = j = 0; i < c->tree.ndead; i++) {
     if (c->tree.dead[i].epoch <= epoch)
       alloc_release_meta (c, c->tree.dead[i].bucket);
@@ -1173,6 +1235,7 @@ btree_checkpoint (struct bcf_cache *c)
   }
   c->tree.ndead = j;
   btree_evict_locked (c);
+  bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t1);
   pthread_rwlock_unlock (&c->tree_lock);
   bcf_time_record (c, &c->stats.checkpoint, bcf_now_ns () - t0);
   return 0;

@@ -465,6 +465,8 @@ bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf)
     atomic_fetch_add (&c->stats.device_errors, 1);
     return r;
   }
+  if (c->test_read_hook)
+    c->test_read_hook (c, e, c->test_read_hook_opaque);
   if (ptr_stale (c, e->ptr)) {
     atomic_fetch_add (&c->stats.read_races, 1);
     return -ESTALE;
@@ -814,6 +816,8 @@ journal_thread (void *arg)
     bcf_flush (c);
     if (journal_used_percent (c) >= 50 && journal_has_new_entries (c))
       bcf_cache_checkpoint (c);
+    else
+      btree_evict_maybe (c);
   }
   bcf_io_thread_cleanup ();
   return NULL;

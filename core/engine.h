@@ -173,7 +173,7 @@ struct btree_node {
   bool evicted;             /* clean leaf whose keys were dropped from
                                memory: load it (btree_load_evicted) before
                                use */
-  uint64_t last_use;        /* epoch of the last use (LRU; atomic) */
+  uint64_t last_use;        /* lru_clock at the last use (atomic) */
   struct btree_node *hash_next;
 };
 
@@ -190,7 +190,9 @@ struct btree {
   struct { uint64_t bucket; uint64_t epoch; } *dead;
   size_t ndead, dead_cap;
   uint64_t epoch;             /* incremented at each checkpoint snapshot */
-  size_t cache_bytes;         /* key memory of loaded nodes (last count) */
+  uint64_t lru_clock;         /* incremented at each eviction pass */
+  size_t cache_bytes;         /* key memory of loaded nodes (counted at
+                                 each eviction pass, plus reloads since) */
   uint64_t evictions, loads;  /* node cache counters (atomic) */
 };
 
@@ -230,8 +232,13 @@ int btree_load_evicted (struct bcf_cache *c, const struct ckey *key);
 /* Note a use of leaf n (LRU); any lock. */
 void btree_touch (struct bcf_cache *c, struct btree_node *n);
 /* Drop clean leaves until the node cache is under its bound (caller holds
- * tree_lock for writing). */
+ * tree_lock for writing).  Runs at every checkpoint. */
 void btree_evict_locked (struct bcf_cache *c);
+/* The same between checkpoints (no lock held): if reloads of evicted
+ * leaves took the node cache over its bound, evict.  The journal thread
+ * calls it at each tick, so a read-only workload (no checkpoints) does
+ * not grow the cache to the whole tree. */
+void btree_evict_maybe (struct bcf_cache *c);
 /* Visit every node, parents before children (fsck, GC, stats). */
 typedef int (*btree_visit_fn) (struct bcf_cache *c, struct btree_node *n,
                                void *opaque);
@@ -373,6 +380,13 @@ struct bcf_cache {
   atomic_bool failed;             /* metadata write failed: read-only */
   atomic_uint_fast64_t inflight;  /* foreground requests in flight (GC) */
 
+  /* Test hook (NULL in production): called by bcf_read_hit after the
+   * device read and before the gen recheck, with no lock held, so a test
+   * can reuse the bucket while the read is "in flight". */
+  void (*test_read_hook) (struct bcf_cache *c, const struct bcf_extent *e,
+                          void *opaque);
+  void *test_read_hook_opaque;
+
   /* Background threads. */
   bool threads_running;
   atomic_bool stopping;
@@ -384,6 +398,9 @@ struct bcf_cache {
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                          checkpoint;
+    /* Each hold of tree_lock for writing by a checkpoint (the snapshot,
+     * the release of dead buckets): how long it blocked lookups. */
+    struct bcf_time_stat ckpt_locked;
     pthread_mutex_t time_lock;
   } stats;
 };

@@ -168,9 +168,10 @@ gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
       struct ckey w = ckey_make (ckey_inode (k), ckey_end (k), ckey_size (k),
                                  false, 0, false);
       int r = keyset_insert (&n->open, &w);
-      if (r < 0)
+      /* Removes k; allocates only to copy an array a checkpoint in
+       * flight still shares (keyset_share). */
+      if (r < 0 || (r = keyset_insert (&n->keys, &w)) < 0)
         return r;
-      keyset_insert (&n->keys, &w);   /* removes k: no allocation */
       c->tree.nkeys--;
       continue;
     }

@@ -18,7 +18,8 @@
  * wrap-around.  TEST_CRASH_STRIDE (default 1) tests every K-th index.
  * The seed is printed; TEST_SEED replays.
  *
- * Also here: recovery tolerates a torn newest journal entry and refuses a
+ * Also here: a block whose bucket was reclaimed and reused is not
+ * brought back by recovery (test_gen_reuse_crash); and recovery tolerates a torn newest journal entry and refuses a
  * gap in the middle of the journal.
  */
 #include "config.h"
@@ -94,10 +95,11 @@ run_open (struct run *r, enum bcf_format_policy policy, bool must)
 }
 
 static void
-run_init (struct run *r, const char *name, uint64_t cache_bytes,
-          unsigned bucket_sectors)
+run_init_policy (struct run *r, const char *name, uint64_t cache_bytes,
+                 unsigned bucket_sectors, unsigned replacement)
 {
   memset (r, 0, sizeof *r);
+  r->opts.replacement = replacement;
   snprintf (r->path, sizeof r->path, "%s/%s", tmpdir, name);
   unlink (r->path);
   r->mb = mem_backing_new (BACKING);
@@ -112,6 +114,13 @@ run_init (struct run *r, const char *name, uint64_t cache_bytes,
   r->opts.direct_off = true;   /* the crash model works on the file */
   r->opts.log = log_cb;
   run_open (r, BCF_FORMAT_AUTO, true);
+}
+
+static void
+run_init (struct run *r, const char *name, uint64_t cache_bytes,
+          unsigned bucket_sectors)
+{
+  run_init_policy (r, name, cache_bytes, bucket_sectors, BCH_REPLACEMENT_LRU);
 }
 
 static void
@@ -471,6 +480,109 @@ START_TEST (test_journal_gap_refused)
 }
 END_TEST
 
+/* ---- a reused bucket after a crash ------------------------------------------- */
+
+/* Block X is cached durably (and, in one variant, its key written into
+ * the on-disk btree by a checkpoint).  Then the allocator reclaims its
+ * bucket (gen bumped, the new gen persisted by a prio write) and another
+ * block's data is written where X's was, and flushed.  Then the power
+ * fails.  Nothing journalled X's removal: after recovery the btree (or
+ * the journal replay) still holds X's key, pointing into the bucket with
+ * the old gen.  Only the persisted gen makes it stale.  X must be a miss;
+ * a hit would read the other block's bytes.  Every crash mode: all
+ * unflushed writes lost, all kept, and seeded random subsets. */
+static void
+gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
+{
+  struct run r;
+  struct bcf_io_faults f = { 0 };
+  struct bcf_extent e, ex;
+  uint64_t y = 0, bucket;
+  unsigned n;
+  bool reused = false;
+
+  rng_state = seed * 7 + cseed;
+  /* 2 MiB in 8 KiB buckets, fifo: the bucket comes round after about
+   * 2 MiB of inserts. */
+  run_init_policy (&r, "reuse.img", 2u << 20, 16, BCH_REPLACEMENT_FIFO);
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+
+  fill (r.buf, BLOCK);
+  ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, 0, false), 0);
+  memcpy (r.m.shadow, r.buf, BLOCK);
+  ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
+  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &ex, 1, &n), 0);
+  ck_assert_int_eq (ex.kind, BCF_EXTENT_HIT);
+  bucket = ex.dev_offset / (r.c->bucket_sectors << 9);
+  if (ckpt)
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+
+  for (unsigned i = 0; i < 20000 && !reused; i++) {
+    y = 1 + i % (NBLOCKS - 1);
+    fill (r.buf, BLOCK);
+    ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, y * BLOCK,
+                                       false), 0);
+    memcpy (r.m.shadow + y * BLOCK, r.buf, BLOCK);
+    ck_assert_int_eq (bcf_insert (r.c, y * BLOCK, BLOCK, r.buf, false, false),
+                      0);
+    ck_assert_int_eq (bcf_lookup (r.c, y * BLOCK, BLOCK, &e, 1, &n), 0);
+    ck_assert_int_eq (e.kind, BCF_EXTENT_HIT);
+    reused = e.dev_offset == ex.dev_offset;
+  }
+  ck_assert_msg (reused, "seed %u: bucket %" PRIu64 " was never reused", seed,
+                 bucket);
+  ck_assert_int_eq (bcf_flush (r.c), 0);
+
+  bcf_cache_test_crash (r.c, cseed, mode);
+  r.c = NULL;
+  run_open (&r, BCF_FORMAT_NEVER, true);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+
+  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
+  if (e.kind == BCF_EXTENT_HIT) {
+    int x = bcf_read_hit (r.c, &e, r.buf);
+    ck_abort_msg ("seed %u crash mode %d%s: block 0's key into reused bucket "
+                  "%" PRIu64 " is a hit after recovery (read: %s, bytes %s)",
+                  seed, mode, ckpt ? " (key checkpointed)" : "", bucket,
+                  x ? strerror (-x) : "ok",
+                  memcmp (r.buf, r.m.shadow, BLOCK) == 0 ? "block 0's"
+                  : memcmp (r.buf, r.m.shadow + y * BLOCK, BLOCK) == 0
+                  ? "THE NEW OWNER'S" : "garbage");
+  }
+  /* The block that took its place was flushed: it survives, and reads
+   * right. */
+  ck_assert_int_eq (bcf_lookup (r.c, y * BLOCK, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind == BCF_EXTENT_HIT, "seed %u: flushed block %" PRIu64
+                 " lost", seed, y);
+  ck_assert_int_eq (bcf_read_hit (r.c, &e, r.buf), 0);
+  ck_assert (memcmp (r.buf, r.m.shadow + y * BLOCK, BLOCK) == 0);
+  /* And every other hit equals the backing store. */
+  for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
+    struct bcf_extent es[80];
+    ck_assert_int_eq (bcf_lookup (r.c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
+                      0);
+    for (unsigned i = 0; i < n; i++)
+      if (es[i].kind == BCF_EXTENT_HIT) {
+        ck_assert_int_eq (bcf_read_hit (r.c, &es[i], r.buf), 0);
+        ck_assert_msg (memcmp (r.buf, r.m.shadow + es[i].offset, es[i].len)
+                       == 0, "seed %u: cached blocks at %" PRIu64 " differ "
+                       "from the backing store", seed, es[i].offset);
+      }
+  }
+  run_free (&r);
+}
+
+START_TEST (test_gen_reuse_crash)
+{
+  for (int ckpt = 0; ckpt < 2; ckpt++) {
+    gen_reuse_crash (BCF_IO_CRASH_LOSE_ALL, 1, ckpt);
+    gen_reuse_crash (BCF_IO_CRASH_KEEP_ALL, 2, ckpt);
+    for (uint64_t k = 0; k < 3; k++)
+      gen_reuse_crash (BCF_IO_CRASH_RANDOM, seed + k, ckpt);
+  }
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -505,6 +617,7 @@ main (void)
   add (s, "crash_inserts", test_crash_inserts);
   add (s, "crash_fills", test_crash_fills);
   add (s, "crash_eviction", test_crash_eviction);
+  add (s, "gen_reuse_crash", test_gen_reuse_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
