@@ -229,6 +229,17 @@ bcf_cache_block_size (const struct bcf_cache *c)
   return c->block_bytes;
 }
 
+bool
+bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
+                 uint64_t *bytes)
+{
+  if (bch_uuid_is_zero (c->owner.uuid))
+    return false;
+  memcpy (uuid, c->owner.uuid, 16);
+  *bytes = c->owner.sectors << BCH_SECTOR_SHIFT;
+  return true;
+}
+
 const struct bch_sb *
 bcf_cache_super (const struct bcf_cache *c)
 {

@@ -363,6 +363,7 @@ struct bcf_cache {
   unsigned block_bytes;
   uint64_t set_magic;
   uint64_t backing_sectors;
+  struct bch_uuid_entry owner;    /* slot 0 as read at open (zero: none) */
   unsigned inode;                 /* our slot in the uuid array */
   uint64_t uuid_bucket;           /* bucket holding the uuid array */
 

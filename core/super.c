@@ -395,6 +395,7 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
   if ((r = uuid_read (c, &jr.uuid_bucket.key, &u, err, errlen)) < 0)
     return r;
+  c->owner = u;
   if (!ckey_from_bkey (&jr.root.key, &root) || !ckey_has_ptr (&root) ||
       bucket_of_ptr (c, root.ptr) >= c->sb.nbuckets ||
       jr.root_level > 16) {

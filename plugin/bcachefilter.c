@@ -133,14 +133,30 @@ parse_size_param (const char *key, const char *value, int64_t min,
 {
   int64_t v = nbdkit_parse_size (value);
 
-  if (v == -1)
-    return -1;                          /* nbdkit said why */
+  if (v == -1) {
+    nbdkit_error ("%s=%s: not a size (a number of bytes, with an optional "
+                  "K, M, G or T suffix)", key, value);
+    return -1;
+  }
   if (v < min) {
     nbdkit_error ("%s=%s: must be at least %" PRIi64 " bytes", key, value,
                   min);
     return -1;
   }
   *out = v;
+  return 0;
+}
+
+static int
+parse_bool_param (const char *key, const char *value, bool *out)
+{
+  int b = nbdkit_parse_bool (value);
+
+  if (b == -1) {
+    nbdkit_error ("%s=%s: not a boolean (use true or false)", key, value);
+    return -1;
+  }
+  *out = b;
   return 0;
 }
 
@@ -182,9 +198,6 @@ static int
 filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
             const char *key, const char *value)
 {
-  int64_t v;
-  int b;
-
   if (strncmp (key, "bcache", 6) != 0) {
     if (is_identity_key (key)) {
       hash_bytes (key);
@@ -262,9 +275,7 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
     }
   }
   else if (strcmp (key, "bcache-direct") == 0) {
-    if ((b = nbdkit_parse_bool (value)) == -1)
-      return -1;
-    cfg.direct = b;
+    return parse_bool_param (key, value, &cfg.direct);
   }
   else if (strcmp (key, "bcache-ctl") == 0) {
     if (!*value) {
@@ -293,16 +304,13 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
     }
   }
   else if (strcmp (key, "bcache-test-disable-tracker") == 0) {
-    if ((b = nbdkit_parse_bool (value)) == -1)
-      return -1;
-    cfg.test_no_tracker = b;
+    return parse_bool_param (key, value, &cfg.test_no_tracker);
   }
   else {
     nbdkit_error ("unknown parameter %s: see nbdkit-bcachefilter-filter(1) "
                   "or --help for the bcache-* parameters", key);
     return -1;
   }
-  (void) v;
   return 0;
 }
 
@@ -321,6 +329,14 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
                   "bcache-bucket-size (%" PRIi64 ")", cfg.block_size,
                   cfg.bucket_size);
     return -1;
+  }
+  if (!cfg.have_uuid) {
+    /* Derived from the export's identifying parameters. */
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 8; j++)
+        cfg.uuid[i * 8 + j] = (uint8_t) (id_hash[i] >> (8 * j));
+    cfg.uuid[6] = (cfg.uuid[6] & 0x0f) | 0x80;        /* "v8" */
+    cfg.uuid[8] = (cfg.uuid[8] & 0x3f) | 0x80;
   }
   if (cfg.ctl_path && bcf_ctl_check_path (cfg.ctl_path, err, sizeof err) < 0) {
     nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
@@ -357,8 +373,69 @@ all_zero (const uint8_t *p, size_t n)
   return true;
 }
 
-/* Refuse now, with a clear message, what the open in .after_fork would
- * refuse anyway: that message would come after nbdkit had forked. */
+#define MIN_BUCKETS 128
+
+/* Can a cache of size bytes be formatted with the configured geometry?
+ * (bcache needs at least 128 buckets.) */
+static int
+check_format_size (uint64_t size, const char *what)
+{
+  uint64_t bucket = cfg.bucket_size ? (uint64_t) cfg.bucket_size : 512 * 1024;
+
+  if (size / bucket >= MIN_BUCKETS)
+    return 0;
+  nbdkit_error ("%s (%" PRIu64 " bytes) is too small for a cache: it needs "
+                "at least %d buckets of %" PRIu64 " KiB, that is %" PRIu64
+                " MiB; give a larger size, or a smaller bcache-bucket-size",
+                what, size, MIN_BUCKETS, bucket >> 10,
+                MIN_BUCKETS * bucket >> 20);
+  return -1;
+}
+
+/* An existing cache: open it read-only (no writes, no export needed) to
+ * check everything the real open will check, and whose export it holds. */
+static int
+probe_existing_cache (void)
+{
+  struct bcf_cache_opts o = { 0 };
+  struct bcf_cache *c;
+  char err[512], have[37], want[37];
+  uint8_t uuid[16];
+  uint64_t bytes;
+  int r;
+
+  o.path = cfg.path;
+  o.readonly = true;
+  o.io_mode = BCF_IO_SYNC;      /* no io_uring ring before the fork */
+  o.direct_off = !cfg.direct;
+  o.format = BCF_FORMAT_NEVER;
+  r = bcf_cache_open (&o, &c, err, sizeof err);
+  if (r < 0) {
+    nbdkit_error ("bcache=%s: %s.  Check it with bcachefilter-show --fsck; "
+                  "bcache-format=force starts a new, empty cache there",
+                  cfg.path, err);
+    return -1;
+  }
+  r = 0;
+  if (bcf_cache_owner (c, uuid, &bytes) && memcmp (uuid, cfg.uuid, 16) != 0) {
+    bch_uuid_unparse (uuid, have);
+    bch_uuid_unparse (cfg.uuid, want);
+    nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
+                  " bytes), not this one (uuid %s%s%s).  Give that export's "
+                  "bcache-backing-uuid= if it is the same export under a new "
+                  "name, or bcache-format=force to start an empty cache for "
+                  "this one", cfg.path, have, bytes, want,
+                  cfg.have_uuid ? "" : ", derived from ",
+                  cfg.have_uuid ? "" : (id_any ? id_text : "no parameters"));
+    r = -1;
+  }
+  bcf_cache_close (c);
+  return r;
+}
+
+/* Refuse now, with a clear message, whatever the open in .after_fork
+ * would refuse: that one runs after nbdkit has forked and started
+ * serving.  Only a change of the export's size is left for it. */
 static int
 probe_cache_device (void)
 {
@@ -367,19 +444,48 @@ probe_cache_device (void)
   struct bch_diag d;
   enum bch_status st;
   struct stat s;
+  uint64_t size;
   ssize_t n;
   int fd;
 
   if (stat (cfg.path, &s) == -1) {
-    if (errno == ENOENT && cfg.create_size > 0)
-      return 0;                         /* the engine creates it */
-    if (errno == ENOENT) {
+    char *dir, *slash;
+    int ok;
+
+    if (errno != ENOENT) {
+      nbdkit_error ("bcache=%s: %m", cfg.path);
+      return -1;
+    }
+    if (cfg.create_size == 0) {
       nbdkit_error ("bcache=%s does not exist: give bcache-size=SIZE to "
                     "create a cache file, or the path of a device", cfg.path);
       return -1;
     }
-    nbdkit_error ("bcache=%s: %m", cfg.path);
-    return -1;
+    if (cfg.format == BCF_FORMAT_NEVER) {
+      nbdkit_error ("bcache=%s does not exist and bcache-format=never "
+                    "forbids creating it", cfg.path);
+      return -1;
+    }
+    dir = strdup (cfg.path);
+    if (!dir) {
+      nbdkit_error ("strdup: %m");
+      return -1;
+    }
+    slash = strrchr (dir, '/');
+    if (slash == dir)
+      dir[1] = '\0';
+    else if (slash)
+      *slash = '\0';
+    else
+      strcpy (dir, ".");
+    ok = access (dir, W_OK | X_OK) == 0;
+    if (!ok)
+      nbdkit_error ("bcache=%s cannot be created: directory %s: %m",
+                    cfg.path, dir);
+    free (dir);
+    if (!ok)
+      return -1;
+    return check_format_size ((uint64_t) cfg.create_size, "bcache-size");
   }
   if (!S_ISREG (s.st_mode) && !S_ISBLK (s.st_mode)) {
     nbdkit_error ("bcache=%s is neither a regular file nor a block device",
@@ -393,6 +499,10 @@ probe_cache_device (void)
                   cfg.path);
     return -1;
   }
+  {
+    off_t end = lseek (fd, 0, SEEK_END);
+    size = end > 0 ? (uint64_t) end : 0;
+  }
   n = pread (fd, buf, sizeof buf, 0);
   close (fd);
   if (n < 0) {
@@ -400,16 +510,33 @@ probe_cache_device (void)
     return -1;
   }
   if ((size_t) n < sizeof buf) {
-    nbdkit_error ("bcache=%s is too small to be a cache (%zd bytes)",
-                  cfg.path, n);
+    nbdkit_error ("bcache=%s is too small to be a cache (%" PRIu64 " bytes)",
+                  cfg.path, size);
     return -1;
   }
-  if (cfg.format == BCF_FORMAT_FORCE || all_zero (buf, sizeof buf))
-    return 0;                           /* formatted (or checked) at open */
+  if (cfg.format == BCF_FORMAT_FORCE)
+    return check_format_size (size, cfg.path);
+  if (all_zero (buf, sizeof buf)) {
+    if (cfg.format == BCF_FORMAT_NEVER) {
+      nbdkit_error ("bcache=%s is blank, not a cache, and bcache-format=never "
+                    "forbids formatting it", cfg.path);
+      return -1;
+    }
+    return check_format_size (size, cfg.path);
+  }
   st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &sb, &d);
   switch (st) {
   case BCH_OK:
-    return 0;
+    if (!(sb.flags & BCH_CACHE_SYNC)) {   /* made by make-bcache -C */
+      if (cfg.format == BCF_FORMAT_NEVER) {
+        nbdkit_error ("bcache=%s was made by make-bcache but never "
+                      "registered, and bcache-format=never forbids "
+                      "initialising it", cfg.path);
+        return -1;
+      }
+      return 0;
+    }
+    return probe_existing_cache ();
   case BCH_ERR_MAGIC:
     nbdkit_error ("bcache=%s holds data that is not a bcache cache; "
                   "refusing to overwrite it.  If it really is meant to be "
@@ -588,16 +715,7 @@ filter_after_fork (nbdkit_backend *backend)
   o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
   o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &open_bk };
-  if (cfg.have_uuid)
-    memcpy (o.backing_uuid, cfg.uuid, 16);
-  else {
-    /* Derived from the export's identifying parameters. */
-    for (int i = 0; i < 2; i++)
-      for (int j = 0; j < 8; j++)
-        o.backing_uuid[i * 8 + j] = (uint8_t) (id_hash[i] >> (8 * j));
-    o.backing_uuid[6] = (o.backing_uuid[6] & 0x0f) | 0x80;  /* "v8" */
-    o.backing_uuid[8] = (o.backing_uuid[8] & 0x3f) | 0x80;
-  }
+  memcpy (o.backing_uuid, cfg.uuid, 16);
   /* The label is informational and truncated to its 32 bytes. */
   {
     const char *label = id_any ? id_text : "nbdkit export";

@@ -103,6 +103,12 @@ int bcf_cache_start_threads (struct bcf_cache *c);
 void bcf_cache_stop_threads (struct bcf_cache *c);
 
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
+/* The export an opened cache holds, as its uuid entry recorded it at
+ * open (uuid and size in bytes); false for a cache that holds none yet.
+ * A read-only open (which has no export to compare) uses it to check
+ * the identity early. */
+bool bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
+                      uint64_t *bytes);
 /* The superblock as it is on disk now (read-only view). */
 const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
 /* How the device is driven: "uring" or "sync", and whether O_DIRECT. */
