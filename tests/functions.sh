@@ -219,3 +219,45 @@ kill_nbdkit ()
         _cleanup_failed=1
     fi
 }
+
+# _forget_cleanup CMD
+#
+# Remove the registered cleanup whose quoted form is CMD (as cleanup_fn
+# would have quoted it).
+_forget_cleanup ()
+{
+    local _i
+    for _i in "${!_cleanup_fns[@]}"; do
+        if [ "${_cleanup_fns[_i]}" = "$1" ]; then
+            unset '_cleanup_fns[_i]'
+        fi
+    done
+    _cleanup_fns=("${_cleanup_fns[@]}")
+}
+
+# stop_nbdkit PID
+#
+# Stop an nbdkit started by start_nbdkit before the end of the test, the
+# way the cleanup would (SIGTERM, the same checks as kill_nbdkit: having
+# to use SIGKILL or a non-zero exit status fails the test when it ends),
+# and drop its cleanup.  Use it to restart a server mid-test.
+stop_nbdkit ()
+{
+    local _cmd
+    printf -v _cmd '%q ' kill_nbdkit "$1"
+    kill_nbdkit "$1"
+    _forget_cleanup "$_cmd"
+}
+
+# crash_nbdkit PID
+#
+# Kill an nbdkit started by start_nbdkit with SIGKILL (a crash: nothing
+# it would do at exit runs), reap it and drop its cleanup.
+crash_nbdkit ()
+{
+    local _cmd
+    printf -v _cmd '%q ' kill_nbdkit "$1"
+    kill -9 "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+    _forget_cleanup "$_cmd"
+}

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# bcachefilter: the control socket (bcache-ctl=PATH) and bcachefilter-ctl.
+#
+#  - the socket exists with mode 0600 (owner only);
+#  - "stats --json" is JSON (python3's json) with bcache's counters, and
+#    they move: a read miss counts in cache_misses, re-reading it counts
+#    in cache_hits; a write then read in writethrough is a hit;
+#  - "set cache_mode writearound" takes effect: writes are no longer
+#    cached (a write then a read of it is a miss), and stats report the
+#    mode; back to writethrough, writes are cached again;
+#  - "set cache_mode writeback" and "set cache_mode bogus" fail with exit
+#    status 1 and a message naming the problem; the mode is unchanged;
+#  - "set sequential_cutoff" takes effect (stats), bad values fail;
+#  - "trigger_gc" and "show super" work (show super names the cache);
+#  - an unknown command fails with status 1; the text stats work;
+#  - after all that the data is right, and the proxy stops cleanly (the
+#    socket is removed).
+
+source "$(dirname "$0")/functions.sh"
+source "$(dirname "$0")/filter/common.sh"
+set -e
+set -x
+
+filter_requires
+requires bcachefilter-ctl --help
+requires stat --version
+
+tmpdir d
+ctl="$d/ctl"
+start_remote memory 32M
+head -c 32M /dev/urandom > "$d/data"
+nbdio "$remote_sock" wfile 0 "$d/data"
+start_proxy p bcache="$d/cache" bcache-size=64M bcache-ctl="$ctl"
+
+# The control socket is created in .after_fork, which may still be
+# opening the cache when the NBD socket and the pidfile already exist.
+for _ in $(seq 300); do test -S "$ctl" && break; sleep 0.1; done
+test -S "$ctl" || fail "no control socket at $ctl"
+mode="$(stat -c %a "$ctl")"
+test "$mode" = 600 || fail "the control socket has mode $mode, not 600"
+
+C () { bcachefilter-ctl -s "$ctl" "$@"; }
+s () { ctl_stat "$ctl" "$1"; }
+
+C stats --json > "$d/stats.json"
+"$PYTHON" -c 'import json, sys; json.load(open(sys.argv[1]))' "$d/stats.json" ||
+    fail "stats --json is not JSON"
+for k in cache_hits cache_misses cache_bypass_hits cache_bypass_misses \
+         cache_miss_collisions cache_read_races bypassed device_errors \
+         passthrough cache_mode sequential_cutoff; do
+    "$PYTHON" "$filterdir/stat.py" "$k" < "$d/stats.json" >/dev/null ||
+        fail "stats --json has no $k"
+done
+C stats > "$d/stats.txt"
+cat "$d/stats.txt"
+grep -q cache_hits "$d/stats.txt" || fail "text stats have no cache_hits"
+
+# A read miss, then a hit.
+m0=$(s cache_misses); h0=$(s cache_hits)
+nbdio "$p_sock" sha 4M 64k > /dev/null
+m1=$(s cache_misses); h1=$(s cache_hits)
+test "$m1" -gt "$m0" || fail "a read miss did not count in cache_misses ($m0 -> $m1)"
+# (The insert may land just after the client has its answer.)
+for i in $(seq 1 20); do
+    nbdio "$p_sock" sha 4M 64k > /dev/null
+    h1=$(s cache_hits)
+    [ "$h1" -gt "$h0" ] && break
+    sleep 0.2
+done
+test "$h1" -gt "$h0" || fail "re-reading a range did not count in cache_hits"
+
+# writethrough: a write is cached (write, then read = hit).
+write_then_read ()
+{
+    local off="$1" h m
+    nbdio "$p_sock" fill "$off" 64k 0x5c
+    h=$(s cache_hits); m=$(s cache_misses)
+    nbdio "$p_sock" check "$off" 64k 0x5c
+    echo "hits $h -> $(s cache_hits), misses $m -> $(s cache_misses)"
+    if [ "$(s cache_hits)" -gt "$h" ] && [ "$(s cache_misses)" -eq "$m" ]; then
+        echo hit
+    else
+        echo miss
+    fi
+}
+r="$(write_then_read 8M | tail -1)"
+test "$r" = hit || fail "in writethrough, a written range was not cached"
+
+C set cache_mode writearound
+test "$(s cache_mode)" = writearound || fail "cache_mode did not change"
+r="$(write_then_read 9M | tail -1)"
+test "$r" = miss || fail "in writearound, a write was cached"
+
+# Refused modes, with a message, and nothing changes.
+st=0; C set cache_mode writeback > "$d/wb.out" 2>&1 || st=$?
+cat "$d/wb.out"
+test "$st" -eq 1 || fail "set cache_mode writeback: exit status $st, not 1"
+grep -qi writeback "$d/wb.out" || fail "set cache_mode writeback: no clear message"
+st=0; C set cache_mode bogus > "$d/bogus.out" 2>&1 || st=$?
+cat "$d/bogus.out"
+test "$st" -eq 1 || fail "set cache_mode bogus: exit status $st, not 1"
+grep -Eqi 'bogus|cache_mode' "$d/bogus.out" || fail "set cache_mode bogus: no clear message"
+test "$(s cache_mode)" = writearound || fail "a refused set changed cache_mode"
+
+C set cache_mode writethrough
+test "$(s cache_mode)" = writethrough || fail "cache_mode did not change back"
+r="$(write_then_read 10M | tail -1)"
+test "$r" = hit || fail "back in writethrough, a written range was not cached"
+
+# sequential_cutoff.
+C set sequential_cutoff 1M
+test "$(s sequential_cutoff)" = 1048576 || fail "sequential_cutoff did not change"
+C set sequential_cutoff 0
+test "$(s sequential_cutoff)" = 0 || fail "sequential_cutoff did not change to 0"
+st=0; C set sequential_cutoff lots > "$d/cut.out" 2>&1 || st=$?
+cat "$d/cut.out"
+test "$st" -eq 1 || fail "set sequential_cutoff lots: exit status $st, not 1"
+
+# trigger_gc, show super, an unknown command.
+C trigger_gc
+C show super > "$d/super"
+cat "$d/super"
+grep -qF "$d/cache" "$d/super" || grep -Eqi 'uuid|bucket' "$d/super" ||
+    fail "show super shows nothing recognisable"
+st=0; C frobnicate > "$d/unknown.out" 2>&1 || st=$?
+cat "$d/unknown.out"
+test "$st" -ne 0 || fail "an unknown command succeeded"
+test -s "$d/unknown.out" || fail "an unknown command failed without a message"
+
+# The data is right after all that, and the proxy stops cleanly.
+cp "$d/data" "$d/expect"
+"$PYTHON" -c '
+import sys
+f = open(sys.argv[1], "r+b")
+for off in (8, 9, 10):
+    f.seek(off << 20); f.write(b"\x5c" * 65536)' "$d/expect"
+nbdio "$p_sock" dump "$d/dump"
+cmp "$d/dump" "$d/expect" || fail "wrong data through the proxy"
+stop_nbdkit "$p_pid"
+test ! -e "$ctl" || fail "the control socket was left behind after a clean stop"
