@@ -383,13 +383,22 @@ alloc_release_meta (struct bcf_cache *c, uint64_t bucket)
   pthread_mutex_unlock (&a->lock);
 }
 
+/* Are the free lists below the level the allocator thread keeps them at
+ * (half full)?  Under alloc.lock. */
+bool
+alloc_lists_low (struct alloc_state *a)
+{
+  return a->free[RESERVE_NONE].nr < a->free[RESERVE_NONE].size / 2 ||
+         a->free[RESERVE_BTREE].nr < a->free[RESERVE_BTREE].size / 2;
+}
+
 /* Refill the free lists.  Serialised by ckpt_lock (a refill ends with a
  * journal entry, like a checkpoint).  in_ckpt: called from inside a
  * checkpoint that ran short of btree buckets; then the journal's reserve
  * pays for the prio entry.  Otherwise, if the journal is too full to keep
  * that reserve, commit the btree first so the ring empties. */
 static int
-do_refill (struct bcf_cache *c, bool in_ckpt)
+do_refill (struct bcf_cache *c, bool in_ckpt, bool background)
 {
   struct alloc_state *a = &c->alloc;
   int r;
@@ -397,7 +406,12 @@ do_refill (struct bcf_cache *c, bool in_ckpt)
   if (!in_ckpt)
     pthread_mutex_lock (&c->ckpt_lock);
   pthread_mutex_lock (&a->lock);
-  if (!in_ckpt && !fifo_empty (&a->free[RESERVE_NONE]) &&
+  if (background && !alloc_lists_low (a)) {
+    pthread_mutex_unlock (&a->lock);
+    pthread_mutex_unlock (&c->ckpt_lock);
+    return 1;
+  }
+  if (!background && !in_ckpt && !fifo_empty (&a->free[RESERVE_NONE]) &&
       a->free[RESERVE_BTREE].nr >= a->free[RESERVE_BTREE].size / 2) {
     /* Another thread refilled while we waited for the lock. */
     pthread_mutex_unlock (&a->lock);
@@ -433,13 +447,19 @@ do_refill (struct bcf_cache *c, bool in_ckpt)
 int
 alloc_refill (struct bcf_cache *c)
 {
-  return do_refill (c, false);
+  return do_refill (c, false, false);
 }
 
 int
 alloc_refill_ckpt_locked (struct bcf_cache *c)
 {
-  return do_refill (c, true);
+  return do_refill (c, true, false);
+}
+
+int
+alloc_refill_background (struct bcf_cache *c)
+{
+  return do_refill (c, false, true);
 }
 
 /* Count non-bypassed I/O for GC triggering and prio decay (bcache's

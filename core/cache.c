@@ -845,10 +845,9 @@ alloc_thread (void *arg)
     bool low;
 
     pthread_mutex_lock (&a->lock);
-    low = a->free[RESERVE_NONE].nr < a->free[RESERVE_NONE].size / 2 ||
-          a->free[RESERVE_BTREE].nr < a->free[RESERVE_BTREE].size / 2;
+    low = alloc_lists_low (a);
     pthread_mutex_unlock (&a->lock);
-    if (low && !c->failed && alloc_refill (c) == 0)
+    if (low && !c->failed && alloc_refill_background (c) == 0)
       continue;
     bcf_sleep_ms (20);
   }

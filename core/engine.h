@@ -128,6 +128,12 @@ int alloc_bucket_nowait (struct bcf_cache *c, enum alloc_reserve r,
 int alloc_refill (struct bcf_cache *c);
 /* The same, from inside a checkpoint (the caller holds ckpt_lock). */
 int alloc_refill_ckpt_locked (struct bcf_cache *c);
+/* The allocator thread's refill: only while alloc_lists_low; returns 1
+ * when there was nothing to do.  (It used to call alloc_refill, which
+ * returns 0 at once while the data list is not empty: the thread spun on
+ * the allocator's locks whenever that list was under half full.) */
+int alloc_refill_background (struct bcf_cache *c);
+bool alloc_lists_low (struct alloc_state *a);
 /* Open and first registration: put every bucket that nothing references
  * (mark FREE after the initial mark) on the free lists, gens bumped; the
  * caller then persists them with alloc_prio_write. */
