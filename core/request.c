@@ -22,7 +22,13 @@
  *   3. the backing store is read and the data copied for the client;
  *   4. bcf_miss_fill writes the data to the cache and replace-inserts it
  *      against the check key; it fails (a miss collision) if anything
- *      touched the range since step 1.
+ *      touched the range since step 1.  This step is queued to the fill
+ *      workers with a copy of the data, so the client is answered
+ *      without waiting for the cache write (as bcache completes a read
+ *      before its insert).  A late fill is as safe as an early one: the
+ *      check key decides.  If the queue is full the fill is dropped
+ *      (the check key removed): caching is an optimisation, waiting is
+ *      not allowed.
  *
  * Write (every mode): the backing write is registered in the tracker for
  * its whole duration, and the span is invalidated durably before the
@@ -35,9 +41,13 @@
  *       the whole blocks of the request;
  *   W4. the backing write;
  *   W5. writethrough only: if this writer was alone in its chunks for its
- *       whole life (bcf_bypass_alone), bcf_miss_fill inserts the data as
- *       clean against our check key, else the check key is dropped;
+ *       whole life (bcf_bypass_alone), its data is queued for
+ *       bcf_miss_fill, which inserts it as clean against our check key,
+ *       else the check key is dropped;
  *   W6. bcf_bypass_end.
+ * A fill that runs after W6 is still safe: any writer registering later
+ * invalidates (removing our check key, or the data just filled) after
+ * its own registration, and aloneness was decided before W6.
  *
  * Why no read can cache data older than the backing store (I1, I2).  The
  * btree lock orders every check-key insert (step 1, W3) against every
@@ -76,8 +86,14 @@
  * least cutoff bytes.  Bypassed reads still read hits from the cache; they
  * only do not insert misses.
  *
- * Locking: none of its own beyond atomics; the engine, the tracker, the
- * stream table and the counters are each safe for many threads.
+ * Flush drains the fill queue (fills queued before it complete) and then
+ * writes the journal, so what was cached before a flush is still cached
+ * after a crash.
+ *
+ * Locking: fill_lock guards the fill queue (a FIFO of copies, bounded in
+ * bytes) and is never held across I/O; everything else is atomics, and
+ * the engine, the tracker, the stream table and the counters are each
+ * safe for many threads.
  */
 #include "config.h"
 
@@ -95,6 +111,16 @@
 #define PLAN_EXTENTS 16
 #define PREFETCH_CHUNK (1u << 20)
 #define DEFAULT_ERROR_LIMIT 64
+#define FILL_WORKERS 2
+#define FILL_QUEUE_BYTES (32u << 20)
+
+/* A queued cache fill: a check key and a copy of its data. */
+struct fill {
+  struct fill *next;
+  struct bcf_miss m;
+  uint64_t seq;                 /* enqueue order, for drain */
+  void *data;                   /* m.len bytes, 4 KiB aligned */
+};
 
 struct bcf_req {
   struct bcf_cache *c;
@@ -112,6 +138,20 @@ struct bcf_req {
   atomic_bool abandoned;        /* the device knows it was given up */
   pthread_mutex_t abandon_lock;
   atomic_bool tracker_disabled; /* tests only */
+
+  /* The fill queue and its workers. */
+  pthread_mutex_t fill_lock;
+  pthread_cond_t fill_work, fill_done;
+  struct fill *fill_head, *fill_tail;
+  uint64_t fill_bytes;          /* queued, not yet taken */
+  uint64_t fill_enq;            /* seq of the last enqueued fill */
+  uint64_t fill_busy[FILL_WORKERS];     /* seq a worker runs, 0 = none */
+  bool fill_stop;
+  unsigned nworkers;
+  pthread_t workers[FILL_WORKERS];
+  struct fill_worker_arg { struct bcf_req *r; unsigned idx; }
+    wargs[FILL_WORKERS];
+  _Atomic uint64_t fills_dropped;
 };
 
 /* What the request path decided about one request. */
@@ -147,6 +187,129 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
   return "unknown";
 }
 
+/* ---- the fill queue --------------------------------------------------------------- */
+
+static void device_error (struct bcf_req *r);
+
+/* Run one fill (step 4 / W5): insert against the check key. */
+static void
+run_fill (struct bcf_req *r, struct fill *f)
+{
+  int rc = bcf_miss_fill (r->c, &f->m, f->data);
+
+  if (rc == -EEXIST)
+    bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
+  else if (rc < 0 && rc != -ENOSPC)
+    device_error (r);
+}
+
+static void
+free_fill (struct fill *f)
+{
+  free (f->data);
+  free (f);
+}
+
+static void *
+fill_worker (void *arg)
+{
+  struct fill_worker_arg *wa = arg;
+  struct bcf_req *r = wa->r;
+
+  pthread_mutex_lock (&r->fill_lock);
+  for (;;) {
+    struct fill *f = r->fill_head;
+
+    if (!f) {
+      if (r->fill_stop)
+        break;
+      pthread_cond_wait (&r->fill_work, &r->fill_lock);
+      continue;
+    }
+    r->fill_head = f->next;
+    if (!r->fill_head)
+      r->fill_tail = NULL;
+    r->fill_bytes -= f->m.len;
+    r->fill_busy[wa->idx] = f->seq;
+    pthread_mutex_unlock (&r->fill_lock);
+
+    run_fill (r, f);
+    free_fill (f);
+
+    pthread_mutex_lock (&r->fill_lock);
+    r->fill_busy[wa->idx] = 0;
+    pthread_cond_broadcast (&r->fill_done);
+  }
+  pthread_mutex_unlock (&r->fill_lock);
+  return NULL;
+}
+
+/* Queue the fill of check key m with a copy of data; if the queue is full
+ * (or memory short), drop it instead: the check key is removed and
+ * nothing is cached. */
+static void
+queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
+{
+  struct fill *f = NULL;
+  void *copy = NULL;
+  bool queued = false;
+
+  if (m->len <= FILL_QUEUE_BYTES && (f = malloc (sizeof *f)) &&
+      posix_memalign (&copy, 4096, m->len) == 0) {
+    memcpy (copy, data, m->len);
+    f->m = *m;
+    f->data = copy;
+    f->next = NULL;
+    pthread_mutex_lock (&r->fill_lock);
+    if (!r->fill_stop && r->fill_bytes + m->len <= FILL_QUEUE_BYTES) {
+      f->seq = ++r->fill_enq;
+      if (r->fill_tail)
+        r->fill_tail->next = f;
+      else
+        r->fill_head = f;
+      r->fill_tail = f;
+      r->fill_bytes += m->len;
+      queued = true;
+      pthread_cond_signal (&r->fill_work);
+    }
+    pthread_mutex_unlock (&r->fill_lock);
+  }
+  if (!queued) {
+    atomic_fetch_add (&r->fills_dropped, 1);
+    bcf_miss_cancel (r->c, m);
+    if (f)
+      free_fill (f);
+    else
+      free (copy);
+  }
+}
+
+/* Has every fill queued up to seq finished?  Under fill_lock. */
+static bool
+fills_done_upto (struct bcf_req *r, uint64_t seq)
+{
+  if (r->fill_head && r->fill_head->seq <= seq)
+    return false;
+  for (unsigned i = 0; i < FILL_WORKERS; i++)
+    if (r->fill_busy[i] && r->fill_busy[i] <= seq)
+      return false;
+  return true;
+}
+
+void
+bcf_req_drain (struct bcf_req *r)
+{
+  uint64_t seq;
+
+  pthread_mutex_lock (&r->fill_lock);
+  seq = r->fill_enq;
+  while (!fills_done_upto (r, seq))
+    pthread_cond_wait (&r->fill_done, &r->fill_lock);
+  pthread_mutex_unlock (&r->fill_lock);
+}
+
+/* ---- life cycle ------------------------------------------------------------------- */
+
 struct bcf_req *
 bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
 {
@@ -155,6 +318,9 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   if (!r)
     return NULL;
   pthread_mutex_init (&r->abandon_lock, NULL);
+  pthread_mutex_init (&r->fill_lock, NULL);
+  pthread_cond_init (&r->fill_work, NULL);
+  pthread_cond_init (&r->fill_done, NULL);
   r->c = c;
   r->block = bcf_cache_block_size (c);
   r->size = bcf_cache_backing_size (c);
@@ -169,6 +335,15 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     return NULL;
   }
   atomic_store (&r->cutoff, o->sequential_cutoff);
+  for (unsigned i = 0; i < FILL_WORKERS; i++) {
+    r->wargs[i] = (struct fill_worker_arg) { .r = r, .idx = i };
+    if (pthread_create (&r->workers[i], NULL, fill_worker, &r->wargs[i])
+        != 0) {
+      bcf_req_free (r);
+      return NULL;
+    }
+    r->nworkers++;
+  }
   return r;
 }
 
@@ -177,6 +352,16 @@ bcf_req_free (struct bcf_req *r)
 {
   if (!r)
     return;
+  /* The workers finish what is queued, then stop. */
+  pthread_mutex_lock (&r->fill_lock);
+  r->fill_stop = true;
+  pthread_cond_broadcast (&r->fill_work);
+  pthread_mutex_unlock (&r->fill_lock);
+  for (unsigned i = 0; i < r->nworkers; i++)
+    pthread_join (r->workers[i], NULL);
+  pthread_mutex_destroy (&r->fill_lock);
+  pthread_cond_destroy (&r->fill_work);
+  pthread_cond_destroy (&r->fill_done);
   bcf_bypass_free (r->tracker);
   bcf_seqdetect_free (r->seq);
   bcf_stats_free (r->stats);
@@ -250,6 +435,10 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   st->bypass_pages = m.pages;
   st->bypass_reserve_uses = m.reserve_uses;
   st->bypass_in_flight = m.in_flight;
+  st->fills_dropped = atomic_load (&r->fills_dropped);
+  pthread_mutex_lock (&r->fill_lock);
+  st->fill_queue_bytes = r->fill_bytes;
+  pthread_mutex_unlock (&r->fill_lock);
 }
 
 /* ---- helpers ---------------------------------------------------------------------- */
@@ -377,11 +566,7 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
     bcf_miss_cancel (r->c, &m);
     return rc;
   }
-  rc = bcf_miss_fill (r->c, &m, buf);
-  if (rc == -EEXIST)
-    bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
-  else if (rc < 0 && rc != -ENOSPC)
-    device_error (r);
+  queue_fill (r, &m, buf);
   return 0;
 }
 
@@ -581,14 +766,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   }
   rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);   /* W4 */
   if (have_check) {                                      /* W5 */
-    if (rc == 0 && bcf_bypass_alone (r->tracker, &tok)) {
-      int f = bcf_miss_fill (r->c, &m,
-                             (const uint8_t *) buf + (in.start - offset));
-      if (f == -EEXIST)
-        bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
-      else if (f < 0 && f != -ENOSPC)
-        device_error (r);
-    }
+    if (rc == 0 && bcf_bypass_alone (r->tracker, &tok))
+      queue_fill (r, &m, (const uint8_t *) buf + (in.start - offset));
     else
       bcf_miss_cancel (r->c, &m);
   }
@@ -668,6 +847,8 @@ int
 bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   int rc = b->ops->flush (b->opaque);
+
+  bcf_req_drain (r);
 
   /* Nothing acknowledged depends on the cache's journal in the clean
    * modes (invalidations are durable before their writes), but inserts

@@ -784,6 +784,9 @@ filter_cleanup (nbdkit_backend *backend)
     bcf_ctl_stop ();
     ctl_running = false;
   }
+  /* The request layer first: its fill workers finish what is queued. */
+  bcf_req_free (req);
+  req = NULL;
   if (cache) {
     int r = bcf_cache_close (cache);     /* stops threads, checkpoints */
     if (r < 0)
@@ -792,8 +795,6 @@ filter_cleanup (nbdkit_backend *backend)
                     strerror (-r));
     cache = NULL;
   }
-  bcf_req_free (req);
-  req = NULL;
 }
 
 /* ---- connections ------------------------------------------------------------------ */
@@ -1079,6 +1080,8 @@ ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
   print_u64 (fp, json, "tracker_pages", rs.bypass_pages, &first);
   print_u64 (fp, json, "tracker_reserve_uses", rs.bypass_reserve_uses, &first);
   print_u64 (fp, json, "tracker_in_flight", rs.bypass_in_flight, &first);
+  print_u64 (fp, json, "fills_dropped", rs.fills_dropped, &first);
+  print_u64 (fp, json, "fill_queue_bytes", rs.fill_queue_bytes, &first);
   if (json)
     fprintf (fp, "}, \"device_errors\": %" PRIu64 "}\n", rs.device_errors);
   return 0;

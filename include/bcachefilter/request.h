@@ -83,10 +83,17 @@ struct bcf_req_stats {
   bool passthrough;
   uint64_t bypass_bytes_now, bypass_bytes_peak, bypass_pages,
            bypass_reserve_uses, bypass_in_flight;
+  uint64_t fills_dropped;       /* misses not cached: fill queue full */
+  uint64_t fill_queue_bytes;    /* data waiting to be written to the cache */
 };
 void bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st);
 /* The counters with bcache's decayed views. */
 struct bcf_stats *bcf_req_counters (struct bcf_req *r);
+
+/* Wait until every cache fill queued so far has been done.  Fills run in
+ * the background so that clients need not wait for them; bcf_req_flush
+ * drains, and tests use this to see the cache state. */
+void bcf_req_drain (struct bcf_req *r);
 
 /* Tests only: disable the in-flight write tracker's check. */
 void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
