@@ -1,0 +1,528 @@
+#!/usr/bin/env bash
+# filter-bench.sh: bcachefilter end to end, next to the alternatives.
+#
+# WHAT IT MEASURES
+#   fio's nbd engine (one job, iodepth 16, the same as nbdkit's default of
+#   16 threads per connection) against five front ends.  Each one serves
+#   the same "remote": nbdkit's memory plugin, filled with random data,
+#   behind `--filter=delay delay-read=1ms delay-write=1ms` on a unix socket.
+#   It stands in for a NAS.
+#
+#     remote        fio talks to the remote directly (no proxy)
+#     proxy         nbdkit nbd plugin -> remote (pass-through proxy)
+#     cachefilter   nbdkit --filter=cache cache=writeback cache-on-read=true
+#                   nbd -> remote (its cache file goes in $WORKDIR)
+#     bcachefilter  nbdkit --filter=$FILTER_SO nbd -> remote,
+#                   bcache=$WORKDIR/cache.img bcache-size=2*SIZE
+#                   (default mode writethrough, the cache file is O_DIRECT)
+#     file          nbdkit file plugin, cache=none, on a local file in
+#                   $WORKDIR: the ceiling (no remote at all)
+#     filepc        the file plugin with the page cache (cache=default), for
+#                   reference: a second, higher ceiling
+#
+#   Workloads (all 4 KiB unless stated, over the whole SIZE export):
+#     hits     random reads of a WARM working set.  Cache configs first get
+#              a warm-up pass: 4 KiB random reads, every block of the
+#              export exactly once (fio's random map), at QD16, with
+#              bcachefilter's default settings.  A random pass, not a
+#              sequential one, because bcachefilter's sequential cutoff
+#              (4 MiB) rightly bypasses sequential streams; and 4 KiB
+#              reads leave one 4 KiB extent per block in its index, the
+#              worst case for lookups.  nbdkit's cache filter gets the
+#              same pass (it caches whole 64 KiB blocks).  Then
+#              RUNTIME of uniform random reads.
+#     zipf     COLD random reads, random_distribution=zipf:1.2, fresh
+#              cache (new front end, and for bcachefilter a new cache
+#              file): the warming of the cache is what is measured.
+#     randrw   70/30 random read/write (rwmixread=70), fresh cache.
+#     seqread  1 MiB sequential reads, fresh cache.  fio loops
+#              over the export, so a cache that caches sequential reads
+#              (nbdkit's cache filter) serves later laps from its cache.
+#   Every (config, workload) pair gets a freshly started front end.  The
+#   runs go workload by workload, all configs back to back, so that the
+#   runs a ratio compares are close in time on a shared host; one remote
+#   serves them all (it keeps no state that matters here).
+#
+#   At the end: a table of IOPS (MiB/s for seqread) and median latencies,
+#   and the ratios the issue's targets are stated in:
+#     hits   bcachefilter / file          target >= 0.90
+#     zipf   bcachefilter / remote        target >= 0.95
+#     randrw bcachefilter / remote        target >= 0.95 (total IOPS; the
+#                                         read IOPS are shown too)
+#     seq    bcachefilter / proxy         target >= 0.95
+#   The same ratios are printed for nbdkit's cache filter, for reference.
+#   Nothing fails because something was slow: the exit status is non-zero
+#   only if the harness itself failed.
+#
+# USAGE
+#   bench/filter-bench.sh                      # everything, ~12 min
+#   CONFIGS="remote bcachefilter" WORKLOADS="zipf randrw" bench/filter-bench.sh
+#   SIZE=256M RUNTIME=5 bench/filter-bench.sh  # smoke run, ~3 min
+#
+# ENVIRONMENT (all optional)
+#   SIZE       working set = export size (default 1G; nbdkit/numfmt suffixes)
+#   RUNTIME    seconds per measured job (default 20)
+#   FILTER_SO  the filter (default /tmp/b-bench/plugin/.libs/
+#              nbdkit-bcachefilter-filter.so).  If it does not exist the
+#              bcachefilter config is skipped with a warning.
+#   WORKDIR    where the cache file, the local data file and the sockets go.
+#              Default: a new `mktemp -d /var/tmp/filter-bench.XXXXXX`,
+#              removed at exit.  Must be a real disk filesystem with O_DIRECT
+#              (not tmpfs): the script checks and prints what it is.  Needs
+#              about 4*SIZE free (data file, 2*SIZE cache, cache filter file).
+#   OUTDIR     where fio's JSON, the nbdkit logs and summary.md go (kept).
+#              Default /var/tmp/filter-bench-results.DATE-TIME.
+#   CONFIGS    subset of: remote proxy cachefilter bcachefilter file filepc
+#              (default: all)
+#   WORKLOADS  subset of: hits zipf randrw seqread (default: all)
+#   REPEAT     runs per (config, workload), the table shows the median
+#              (default 1).  For hits the warm-up is done once.
+#   ZIPF       zipf theta (default 1.2)
+#   WARM_MAX   seconds cap on a warm-up pass (default 180)
+#   BCACHE_ARGS extra bcachefilter parameters, e.g.
+#              "bcache-io=sync" or "bcache-sequential-cutoff=0"
+#   BCTL       path of bcachefilter-ctl (default /tmp/b-bench/tools/
+#              bcachefilter-ctl).  If it is executable, the filter gets
+#              bcache-ctl=$WORKDIR/ctl.sock and its stats (--json) are saved
+#              after each bcachefilter run, and hits/misses/bypass are shown.
+#   PERF       "CONFIG:WORKLOAD" (or a space-separated list of them): also
+#              `perf record -g` the front end during that run, into OUTDIR.
+#   PERF_OPTS  perf record options instead of -g, e.g. "--call-graph dwarf"
+#              (the filter is built without frame pointers).
+#   KEEP=1     keep WORKDIR.
+#
+# Needs: nbdkit (memory, file, nbd plugins; delay, cache filters), fio with
+# the nbd engine, nbdinfo, nbdcopy, python3.  Every process it starts is
+# stopped at exit, including on SIGINT/SIGTERM/SIGHUP.
+
+set -euo pipefail
+
+SIZE=${SIZE:-1G}
+RUNTIME=${RUNTIME:-20}
+FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
+CONFIGS=${CONFIGS:-remote proxy cachefilter bcachefilter file filepc}
+WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
+REPEAT=${REPEAT:-1}
+ZIPF=${ZIPF:-1.2}
+WARM_MAX=${WARM_MAX:-180}
+BCACHE_ARGS=${BCACHE_ARGS:-}
+BCTL=${BCTL:-/tmp/b-bench/tools/bcachefilter-ctl}
+PERF=${PERF:-}
+PERF_OPTS=${PERF_OPTS:--g}
+KEEP=${KEEP:-0}
+IODEPTH=16
+
+die() { echo "filter-bench: $*" >&2; exit 1; }
+say() { echo "[$(date +%T)] $*" >&2; }
+
+for t in nbdkit fio nbdinfo nbdcopy python3; do
+    command -v "$t" >/dev/null || die "$t is not installed"
+done
+fio --enghelp=nbd >/dev/null 2>&1 || die "fio has no nbd engine"
+
+BYTES=$(numfmt --from=iec "${SIZE%B}") || die "bad SIZE=$SIZE"
+(( BYTES >= 16*1024*1024 && BYTES % 4096 == 0 )) ||
+    die "SIZE must be a multiple of 4 KiB and at least 16M"
+CACHE_BYTES=$(( 2 * BYTES ))
+
+for c in $CONFIGS; do
+    case $c in remote|proxy|cachefilter|bcachefilter|file|filepc) ;;
+    *) die "unknown config '$c' (remote proxy cachefilter bcachefilter file filepc)" ;;
+    esac
+done
+for w in $WORKLOADS; do
+    case $w in hits|zipf|randrw|seqread) ;;
+    *) die "unknown workload '$w' (hits zipf randrw seqread)" ;;
+    esac
+done
+if [[ " $CONFIGS " == *" bcachefilter "* && ! -f $FILTER_SO ]]; then
+    say "WARNING: $FILTER_SO does not exist: skipping the bcachefilter config"
+    CONFIGS=$(echo " $CONFIGS " | sed 's/ bcachefilter / /')
+fi
+
+# ---- work and output directories, cleanup --------------------------------
+MADE_WORKDIR=0
+if [[ -z ${WORKDIR:-} ]]; then
+    WORKDIR=$(mktemp -d /var/tmp/filter-bench.XXXXXX)
+    MADE_WORKDIR=1
+fi
+mkdir -p "$WORKDIR"
+WORKDIR=$(cd "$WORKDIR" && pwd)
+OUTDIR=${OUTDIR:-/var/tmp/filter-bench-results.$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+
+RSOCK=$WORKDIR/remote.sock      # the remote
+FSOCK=$WORKDIR/front.sock       # the front end under test
+CTLSOCK=$WORKDIR/ctl.sock
+DATA=$WORKDIR/data.img          # random data: remote's content, file ceiling
+CACHE=$WORKDIR/cache.img        # bcachefilter's cache
+PIDS=()                         # every process we started and not yet reaped
+
+stop_pid() {                    # stop_pid PID [timeout_s]: TERM, wait, KILL
+    local pid=$1 t=${2:-30} i
+    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    for (( i = 0; i < t * 10; i++ )); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        say "WARNING: pid $pid did not exit within ${t}s of SIGTERM; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+    local p keep=()
+    for p in "${PIDS[@]}"; do [[ $p == "$pid" ]] || keep+=("$p"); done
+    PIDS=("${keep[@]}")
+}
+
+cleanup() {
+    local rc=$? i
+    trap - EXIT INT TERM HUP
+    # newest first: fio and perf, then the front end, then the remote
+    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
+    if [[ $KEEP == 1 ]]; then
+        say "kept WORKDIR $WORKDIR"
+    elif [[ $MADE_WORKDIR == 1 ]]; then
+        rm -rf "$WORKDIR"
+    else
+        rm -f "$RSOCK" "$FSOCK" "$CTLSOCK" "$DATA" "$CACHE"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+uri() { echo "nbd+unix:///?socket=$1"; }
+
+# start_nbdkit NAME SOCKET ARGS...: start nbdkit in the foreground (as our
+# child), wait until it answers; its pid is left in NBDKIT_PID.
+start_nbdkit() {
+    local name=$1 sock=$2 i; shift 2
+    rm -f "$sock"
+    echo "nbdkit -f -U $sock $*" >>"$OUTDIR/commands.txt"
+    nbdkit -f --exit-with-parent -U "$sock" "$@" >>"$OUTDIR/$name.log" 2>&1 &
+    NBDKIT_PID=$!
+    PIDS+=("$NBDKIT_PID")
+    for (( i = 0; i < 1200; i++ )); do
+        if ! kill -0 "$NBDKIT_PID" 2>/dev/null; then
+            tail -20 "$OUTDIR/$name.log" >&2
+            die "nbdkit ($name) exited at startup; log: $OUTDIR/$name.log"
+        fi
+        if [[ -S $sock ]] && nbdinfo --size "$(uri "$sock")" >/dev/null 2>&1; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    die "nbdkit ($name) not ready after 120 s; log: $OUTDIR/$name.log"
+}
+
+# ---- machine --------------------------------------------------------------
+FSTYPE=$(findmnt -n -o FSTYPE -T "$WORKDIR" 2>/dev/null || stat -f -c %T "$WORKDIR")
+FSDEV=$(findmnt -n -o SOURCE -T "$WORKDIR" 2>/dev/null || echo '?')
+[[ $FSTYPE == tmpfs || $FSTYPE == ramfs ]] &&
+    die "WORKDIR $WORKDIR is on $FSTYPE; bcachefilter needs O_DIRECT on a disk"
+if dd if=/dev/zero of="$WORKDIR/.odirect" bs=4096 count=1 oflag=direct \
+      status=none 2>/dev/null; then ODIRECT=yes; else ODIRECT=NO; fi
+rm -f "$WORKDIR/.odirect"
+[[ $ODIRECT == yes ]] || say "WARNING: O_DIRECT does not work in $WORKDIR"
+AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
+(( AVAIL > 4 * BYTES + (1 << 30) )) ||
+    die "WORKDIR needs ~4*SIZE free, has $(numfmt --to=iec "$AVAIL")"
+
+{
+    echo "date:      $(date -Is)"
+    echo "command:   SIZE=$SIZE RUNTIME=$RUNTIME CONFIGS=\"$CONFIGS\" WORKLOADS=\"$WORKLOADS\" REPEAT=$REPEAT ZIPF=$ZIPF BCACHE_ARGS=\"$BCACHE_ARGS\" $0"
+    echo "host:      nproc=$(nproc), $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), RAM $(free -g | awk '/^Mem/ {print $2}') GiB"
+    echo "kernel:    $(uname -srm)"
+    echo "workdir:   $WORKDIR on $FSDEV ($FSTYPE), O_DIRECT $ODIRECT"
+    echo "software:  $(nbdkit --version), $(fio --version), $(nbdinfo --version 2>/dev/null | head -1)"
+    if [[ -f $FILTER_SO ]]; then
+        echo "filter:    $FILTER_SO ($(stat -c '%y' "$FILTER_SO" | cut -d. -f1))"
+    fi
+    echo "load avg:  $(cut -d' ' -f1-3 /proc/loadavg) (start)"
+} | tee "$OUTDIR/machine.txt" >&2
+
+# ---- data -------------------------------------------------------------------
+say "creating $(numfmt --to=iec "$BYTES") of random data in $DATA"
+head -c "$BYTES" /dev/urandom >"$DATA"
+sync "$DATA"
+
+# The disk under WORKDIR on its own: 4 KiB O_DIRECT random reads, QD16,
+# what bcachefilter's hits and the file ceiling can at best get.
+say "disk baseline: fio 4k randread O_DIRECT QD$IODEPTH on $DATA, 5 s"
+fio --name=disk --filename="$DATA" --readonly --direct=1 --ioengine=libaio \
+    --rw=randread --bs=4k --iodepth=$IODEPTH --time_based --runtime=5 \
+    --output-format=json --output="$OUTDIR/disk-baseline.json" >/dev/null
+
+# ---- runs -------------------------------------------------------------------
+RESULTS=$OUTDIR/results.tsv     # config workload rep json
+: >"$RESULTS"
+
+start_remote() {
+    start_nbdkit remote "$RSOCK" --filter=delay memory size="$BYTES" \
+        delay-read=1ms delay-write=1ms
+    REMOTE_PID=$NBDKIT_PID
+    nbdcopy "$DATA" "$(uri "$RSOCK")"
+}
+
+# start_front CONFIG FRESH: the front end for CONFIG on FSOCK (or the remote
+# itself); FRESH=1 gives bcachefilter a new cache file.  Sets FRONT_SOCK and
+# FRONT_PID (empty for "remote").
+start_front() {
+    local cfg=$1 fresh=$2
+    FRONT_PID=
+    FRONT_SOCK=$FSOCK
+    case $cfg in
+    remote) FRONT_SOCK=$RSOCK ;;
+    proxy)
+        start_nbdkit "$cfg" "$FSOCK" nbd socket="$RSOCK" ;;
+    cachefilter)
+        TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
+            nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
+    bcachefilter)
+        if [[ $fresh == 1 ]]; then rm -f "$CACHE"; fi
+        local ctl=()
+        if [[ -x $BCTL ]]; then ctl=(bcache-ctl="$CTLSOCK"); fi
+        # shellcheck disable=SC2086
+        start_nbdkit "$cfg" "$FSOCK" --filter="$FILTER_SO" \
+            nbd socket="$RSOCK" bcache="$CACHE" bcache-size="$CACHE_BYTES" \
+            "${ctl[@]}" $BCACHE_ARGS ;;
+    file)
+        start_nbdkit "$cfg" "$FSOCK" file "$DATA" cache=none ;;
+    filepc)
+        start_nbdkit "$cfg" "$FSOCK" file "$DATA" ;;
+    esac
+    [[ $cfg == remote ]] || FRONT_PID=$NBDKIT_PID
+}
+
+stop_front() {
+    if [[ -n $FRONT_PID ]]; then stop_pid "$FRONT_PID" 60; fi
+    FRONT_PID=
+}
+
+bctl_stats() {                  # bctl_stats FILE: save bcachefilter's stats
+    [[ -x $BCTL && -S $CTLSOCK ]] || return 0
+    "$BCTL" --socket "$CTLSOCK" stats --json >"$1" 2>&1 || true
+}
+
+# run_fio NAME JSON FIO-ARGS...
+run_fio() {
+    local name=$1 json=$2; shift 2
+    echo "fio --name=$name --ioengine=nbd --uri=$(uri "$FRONT_SOCK") $*" >>"$OUTDIR/commands.txt"
+    # In the background and waited for, so that a signal is handled at once
+    # (bash runs traps only after a foreground child exits).
+    fio --name="$name" --ioengine=nbd --uri="$(uri "$FRONT_SOCK")" \
+        --iodepth=$IODEPTH --numjobs=1 --size="$BYTES" \
+        --output-format=json --output="$json" "$@" >/dev/null &
+    local fpid=$! rc=0
+    PIDS+=("$fpid")
+    wait "$fpid" || rc=$?
+    stop_pid "$fpid"
+    (( rc == 0 )) || die "fio failed ($name, status $rc); see $json"
+}
+
+workload_args() {               # the measured job of each workload
+    case $1 in
+    hits)    echo "--rw=randread --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
+    zipf)    echo "--rw=randread --bs=4k --random_distribution=zipf:$ZIPF --norandommap --time_based --runtime=$RUNTIME" ;;
+    randrw)  echo "--rw=randrw --rwmixread=70 --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
+    seqread) echo "--rw=read --bs=1M --time_based --runtime=$RUNTIME" ;;
+    esac
+}
+
+cpu_ticks() {                   # cpu_ticks PID: utime+stime of all its threads
+    if [[ -r /proc/$1/stat ]]; then
+        sed 's/.*) //' "/proc/$1/stat" | awk '{ print $12 + $13 }'
+    else echo 0; fi
+}
+CLK_TCK=$(getconf CLK_TCK)
+
+perf_wanted() { [[ " $PERF " == *" $1:$2 "* ]]; }
+
+measure() {                     # measure CONFIG WORKLOAD REP
+    local cfg=$1 wl=$2 rep=$3 json load perf_pid=""
+    json=$OUTDIR/$cfg.$wl.$rep.json
+    load=$(cut -d' ' -f1 /proc/loadavg)
+    say "  $cfg $wl (run $rep): ${RUNTIME}s"
+    if perf_wanted "$cfg" "$wl" && [[ -n $FRONT_PID ]]; then
+        # shellcheck disable=SC2086
+        perf record $PERF_OPTS -p "$FRONT_PID" -o "$OUTDIR/perf.$cfg.$wl.$rep.data" \
+            -- sleep $(( RUNTIME + 2 )) >"$OUTDIR/perf.$cfg.$wl.$rep.log" 2>&1 &
+        perf_pid=$!
+        PIDS+=("$perf_pid")
+    fi
+    local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1
+    c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID")
+    # shellcheck disable=SC2046
+    run_fio "$wl" "$json" $(workload_args "$wl")
+    c1=$(cpu_ticks "$cpid"); r1=$(cpu_ticks "$REMOTE_PID")
+    # CPU seconds of the front end (the remote itself for "remote") and of
+    # the remote over the job (no fio job has a ramp)
+    load="$load	$(( (c1 - c0) * 1000 / CLK_TCK ))	$(( (r1 - r0) * 1000 / CLK_TCK ))"
+    if [[ -n $perf_pid ]]; then stop_pid "$perf_pid" 30; fi
+    if [[ $cfg == bcachefilter ]]; then bctl_stats "$OUTDIR/$cfg.$wl.$rep.stats.json"; fi
+    printf '%s\t%s\t%s\t%s\t%s\n' "$cfg" "$wl" "$rep" "$json" "$load" >>"$RESULTS"
+}
+
+warm() {                        # warm CONFIG: every 4 KiB block once, random
+    local cfg=$1 json=$OUTDIR/$1.warm.json
+    say "  $cfg warm-up: 4k random reads of all $(numfmt --to=iec "$BYTES") (cap ${WARM_MAX}s)"
+    run_fio warm "$json" --rw=randread --bs=4k --runtime="$WARM_MAX"
+    if [[ $cfg == bcachefilter ]]; then bctl_stats "$OUTDIR/$cfg.warm.stats.json"; fi
+    python3 - "$json" "$BYTES" <<'EOF' >&2
+import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]["read"]
+done, want = j["io_bytes"], int(sys.argv[2])
+print(f"    warm-up: {done/2**20:.0f} MiB in {j['runtime']/1000:.1f} s, "
+      f"{j['iops']:.0f} IOPS" + ("" if done >= want else
+      "  WARNING: incomplete, the hit run will see misses"))
+EOF
+}
+
+# Workload by workload, the configs one after the other, so that the configs
+# compared in a ratio ran minutes apart at most (the host may be shared).
+# One remote serves the whole run: it holds no state that matters here.
+T0=$SECONDS
+REMOTE_PID=
+if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter)\  ]]; then
+    say "remote: nbdkit memory plugin behind the delay filter, filling it"
+    start_remote
+fi
+for wl in $WORKLOADS; do
+    say "workload $wl"
+    if [[ $wl == hits ]]; then
+        for cfg in $CONFIGS; do
+            start_front "$cfg" 1
+            if [[ $cfg == cachefilter || $cfg == bcachefilter ]]; then warm "$cfg"; fi
+            for (( r = 1; r <= REPEAT; r++ )); do measure "$cfg" "$wl" "$r"; done
+            stop_front
+        done
+    else
+        for (( r = 1; r <= REPEAT; r++ )); do
+            for cfg in $CONFIGS; do
+                start_front "$cfg" 1
+                measure "$cfg" "$wl" "$r"
+                stop_front
+            done
+        done
+    fi
+done
+if [[ -n $REMOTE_PID ]]; then stop_pid "$REMOTE_PID" 30; fi
+echo "load avg:  $(cut -d' ' -f1-3 /proc/loadavg) (end), elapsed $(( SECONDS - T0 )) s" |
+    tee -a "$OUTDIR/machine.txt" >&2
+
+# ---- report -----------------------------------------------------------------
+python3 - "$RESULTS" "$OUTDIR" "$REPEAT" <<'EOF' | tee "$OUTDIR/summary.md"
+import json, os, statistics, sys
+from collections import defaultdict
+results, outdir, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def load(path):
+    j = json.load(open(path))["jobs"][0]
+    r, w = j["read"], j["write"]
+    def p(d, q):
+        v = d.get("clat_ns", {}).get("percentile", {}).get(q)
+        return v / 1e6 if v else 0.0
+    return dict(riops=r["iops"], wiops=w["iops"], iops=r["iops"] + w["iops"],
+                mibs=(r["bw_bytes"] + w["bw_bytes"]) / 2**20,
+                rp50=p(r, "50.000000"), rp99=p(r, "99.000000"),
+                wp50=p(w, "50.000000"), wp99=p(w, "99.000000"))
+
+runs = defaultdict(list)
+allruns = []
+order_c, order_w = [], []
+for line in open(results):
+    c, w, rep, path, la, fcpu, rcpu = line.rstrip("\n").split("\t")
+    runs[c, w].append(load(path))
+    j = json.load(open(path))["jobs"][0]
+    ios = j["read"]["total_ios"] + j["write"]["total_ios"]
+    runs[c, w][-1]["cpu_us"] = int(fcpu) * 1000 / ios if ios else 0
+    allruns.append((c, w, rep, runs[c, w][-1], la))
+    if c not in order_c: order_c.append(c)
+    if w not in order_w: order_w.append(w)
+
+def med(c, w, k):
+    v = [r[k] for r in runs.get((c, w), [])]
+    return statistics.median(v) if v else None
+
+def n(x, d=0):
+    if x is None: return "–"
+    if d == 0 and x >= 10000: return f"{x/1000:.1f}k"
+    return f"{x:,.{d}f}"
+
+disk = json.load(open(os.path.join(outdir, "disk-baseline.json")))["jobs"][0]["read"]
+print(f"Disk under WORKDIR, fio 4k randread O_DIRECT QD16: {n(disk['iops'])} IOPS\n")
+print("| config | hits 4k IOPS (p50/p99 ms) | cold zipf 4k IOPS (p50/p99 ms) "
+      "| randrw 70/30 IOPS read+write (read p50/p99 ms) | seq 1M read MiB/s |")
+print("|---|---:|---:|---:|---:|")
+for c in order_c:
+    cells = []
+    for w in ("hits", "zipf"):
+        if (c, w) in runs:
+            cells.append(f"{n(med(c,w,'riops'))} ({med(c,w,'rp50'):.2f}/{med(c,w,'rp99'):.2f})")
+        else: cells.append("–")
+    if (c, "randrw") in runs:
+        cells.append(f"{n(med(c,'randrw','riops'))} + {n(med(c,'randrw','wiops'))} "
+                     f"= {n(med(c,'randrw','iops'))} ({med(c,'randrw','rp50'):.2f}/{med(c,'randrw','rp99'):.2f})")
+    else: cells.append("–")
+    cells.append(n(med(c, "seqread", "mibs")) if (c, "seqread") in runs else "–")
+    print(f"| {c} | " + " | ".join(cells) + " |")
+if repeat > 1:
+    print(f"\n(median of {repeat} runs each)")
+
+targets = [("hits",   "riops", "file",   0.90, "4k hit IOPS vs the file plugin, cache=none (ceiling)"),
+           ("hits",   "riops", "filepc", 0.90, "4k hit IOPS vs the file plugin, page cache (reference)"),
+           ("zipf",   "riops", "remote", 0.95, "cold zipf IOPS vs the remote alone"),
+           ("randrw", "iops",  "remote", 0.95, "70/30 total IOPS vs the remote alone"),
+           ("randrw", "riops", "remote", 0.95, "70/30 read IOPS vs the remote alone"),
+           ("seqread","mibs",  "proxy",  0.95, "1M seq read MiB/s vs the pass-through proxy")]
+print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
+print("|---|---:|---:|---:|")
+for w, k, base, tgt, what in targets:
+    b = med(base, w, k)
+    cells = []
+    for c in ("bcachefilter", "cachefilter"):
+        x = med(c, w, k)
+        if x is None or not b: cells.append("–")
+        else:
+            r = x / b
+            cells.append(f"{r:.2f}" + ((" ✔" if r >= tgt else " ✘") if c == "bcachefilter" else ""))
+    print(f"| {what} | ≥ {tgt:.2f} | " + " | ".join(cells) + " |")
+
+print("\nEvery run. Front-end CPU: user+system CPU time of the front-end nbdkit "
+      "(the remote's own for \"remote\") over the job, per I/O. "
+      f"Load average: 1 min, when the run started, on {os.cpu_count()} CPUs.\n")
+print("| config | workload | run | read IOPS | write IOPS | MiB/s | read p50 ms | read p99 ms | front-end CPU µs/IO | load avg |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for c, w, rep, r, la in allruns:
+    print(f"| {c} | {w} | {rep} | {r['riops']:.0f} | {r['wiops']:.0f} | {r['mibs']:.1f} "
+          f"| {r['rp50']:.2f} | {r['rp99']:.2f} | {r['cpu_us']:.0f} | {la} |")
+
+stats = [f for f in sorted(os.listdir(outdir)) if f.endswith(".stats.json")]
+if stats:
+    print("\nbcachefilter counters (bcachefilter-ctl stats --json) over each run; "
+          "for hits, minus those of the warm-up:\n")
+    keys = ("cache_hits", "cache_misses", "cache_bypass_hits", "cache_bypass_misses",
+            "cache_miss_collisions", "cache_read_races", "bypassed")
+    def get(f):
+        try:
+            return json.load(open(os.path.join(outdir, f)))
+        except Exception as e:
+            return {"error": str(e)}
+    warm = get("bcachefilter.warm.stats.json") if "bcachefilter.warm.stats.json" in stats else {}
+    print("| run | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for f in stats:
+        s = get(f)
+        base = warm if ".hits." in f else {}
+        cells = []
+        for k in keys:
+            v = s.get(k)
+            cells.append("?" if not isinstance(v, int) else str(v - base.get(k, 0)))
+        print(f"| {f.removesuffix('.stats.json')} | " + " | ".join(cells) + " |")
+EOF
+say "results in $OUTDIR (summary.md, fio JSON, nbdkit logs, commands.txt)"
