@@ -414,6 +414,32 @@ ring_check_ops (struct io_uring *ring)
   return ok < 0 ? ok : 0;
 }
 
+#if defined(__SANITIZE_THREAD__)
+/* ThreadSanitizer's dynamic annotation: forget the history of a range. */
+void AnnotateNewMemory (const char *file, int line,
+                        const volatile void *mem, size_t size);
+
+/* A new ring's mappings may sit where a dead thread's ring was, and TSan
+ * keeps shadow state across that munmap/mmap (they are anon_inode
+ * mappings): the new thread's first SQE writes were reported as racing
+ * with the dead thread's last ones.  The memory is new: say so. */
+static void
+ring_annotate_new (struct io_uring *ring)
+{
+  AnnotateNewMemory (__FILE__, __LINE__, ring->sq.sqes,
+                     ring->sq.ring_entries * sizeof (struct io_uring_sqe));
+  AnnotateNewMemory (__FILE__, __LINE__, ring->sq.ring_ptr, ring->sq.ring_sz);
+  if (ring->cq.ring_ptr != ring->sq.ring_ptr)
+    AnnotateNewMemory (__FILE__, __LINE__, ring->cq.ring_ptr,
+                       ring->cq.ring_sz);
+}
+#else
+static void
+ring_annotate_new (struct io_uring *ring)
+{
+}
+#endif
+
 static struct io_uring *
 ring_create (int *errp)
 {
@@ -434,6 +460,7 @@ ring_create (int *errp)
     *errp = -r;
     return NULL;
   }
+  ring_annotate_new (ring);
   r = ring_check_ops (ring);
   if (r < 0) {
     ring_free (ring, true);
