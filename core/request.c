@@ -164,7 +164,6 @@ bcf_cache_mode_parse (const char *name)
 {
   static const char *const names[] = {
     [BCF_MODE_WRITETHROUGH] = "writethrough",
-    [BCF_MODE_WRITEBACK] = "writeback",
     [BCF_MODE_WRITEAROUND] = "writearound",
     [BCF_MODE_NONE] = "none",
   };
@@ -180,7 +179,6 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
 {
   switch (m) {
   case BCF_MODE_WRITETHROUGH: return "writethrough";
-  case BCF_MODE_WRITEBACK: return "writeback";
   case BCF_MODE_WRITEAROUND: return "writearound";
   case BCF_MODE_NONE: return "none";
   }
@@ -378,8 +376,6 @@ bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m)
   case BCF_MODE_NONE:
     atomic_store (&r->mode, (int) m);
     return 0;
-  case BCF_MODE_WRITEBACK:
-    return -ENOTSUP;
   }
   return -EINVAL;
 }

@@ -174,6 +174,24 @@ parse_pow2_param (const char *key, const char *value, int64_t min, int64_t max,
   return 0;
 }
 
+/* A cache mode, for bcache-mode= and the control socket's set
+ * cache_mode.  bcache's writeback mode gets a refusal of its own: the
+ * engine has no writeback (no dirty data is ever written). */
+static int
+parse_mode (const char *value, char *err, size_t errlen)
+{
+  int m = bcf_cache_mode_parse (value);
+
+  if (m < 0 && strcmp (value, "writeback") == 0)
+    snprintf (err, errlen, "writeback mode is not supported: use "
+              "writethrough (the default), writearound or none");
+  else if (m < 0)
+    snprintf (err, errlen, "unknown mode '%s': use writethrough (cache "
+              "reads and writes), writearound (cache reads only) or none",
+              value);
+  return m;
+}
+
 static void
 engine_log (void *opaque, enum bcf_log_level level, const char *msg)
 {
@@ -235,15 +253,10 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
     }
   }
   else if (strcmp (key, "bcache-mode") == 0) {
-    int m = bcf_cache_mode_parse (value);
-    if (m == BCF_MODE_WRITEBACK) {
-      nbdkit_error ("bcache-mode=writeback is not supported yet: use "
-                    "writethrough (the default), writearound or none");
-      return -1;
-    }
+    char err[256];
+    int m = parse_mode (value, err, sizeof err);
     if (m < 0) {
-      nbdkit_error ("bcache-mode=%s: use writethrough (cache reads and "
-                    "writes), writearound (cache reads only) or none", value);
+      nbdkit_error ("bcache-mode=%s: %s", value, err);
       return -1;
     }
     cfg.mode = (enum bcf_cache_mode) m;
@@ -1095,17 +1108,9 @@ ctl_set (const char *name, const char *value, char *err, size_t errlen)
     return -1;
   }
   if (strcmp (name, "cache_mode") == 0) {
-    int m = bcf_cache_mode_parse (value);
-    if (m == BCF_MODE_WRITEBACK) {
-      snprintf (err, errlen, "cache_mode writeback is not supported yet; "
-                "use writethrough, writearound or none");
+    int m = parse_mode (value, err, errlen);
+    if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
       return -1;
-    }
-    if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0) {
-      snprintf (err, errlen, "unknown cache_mode '%s'; use writethrough, "
-                "writearound or none", value);
-      return -1;
-    }
     fprintf (stderr, "nbdkit: bcachefilter: cache_mode set to %s\n", value);
     return 0;
   }

@@ -26,7 +26,6 @@ extern "C" {
 
 enum bcf_cache_mode {
   BCF_MODE_WRITETHROUGH = 0,
-  BCF_MODE_WRITEBACK,         /* not implemented yet: refused */
   BCF_MODE_WRITEAROUND,
   BCF_MODE_NONE,
 };
@@ -50,8 +49,8 @@ struct bcf_req_opts {
 struct bcf_req *bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o);
 void bcf_req_free (struct bcf_req *r);
 
-/* Run-time knobs (the control socket).  set_mode refuses writeback with
- * -ENOTSUP. */
+/* Run-time knobs (the control socket).  set_mode returns 0, or -EINVAL
+ * for a value that is not a mode. */
 int bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m);
 enum bcf_cache_mode bcf_req_mode (struct bcf_req *r);
 void bcf_req_set_sequential_cutoff (struct bcf_req *r, uint64_t bytes);
