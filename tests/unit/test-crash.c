@@ -37,6 +37,7 @@
 #include "bcachefilter/cache.h"
 #include "engine.h"
 #include "mem-backing.h"
+#include "testlib.h"
 
 #define BLOCK 4096u
 #define BACKING (4u << 20)
@@ -45,16 +46,6 @@
 static unsigned seed;
 static char tmpdir[256];
 
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
-static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
 
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
@@ -595,23 +586,12 @@ add (Suite *s, const char *name, const TTest *t)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
   Suite *s = suite_create ("crash");
   SRunner *sr;
   int failed;
 
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-crash: seed=%u (set TEST_SEED to replay)\n", seed);
-  fflush (stdout);
-  /* Cache files on tmpfs where there is one: the tests flush often, and
-   * fdatasync on a disk file system would dominate their run time. */
-  snprintf (tmpdir, sizeof tmpdir, "%s/bcf-crash-XXXXXX",
-            getenv ("TEST_TMPDIR") ? getenv ("TEST_TMPDIR")
-            : access ("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp (tmpdir)) {
-    perror ("mkdtemp");
-    return 99;
-  }
+  seed = test_seed ("test-crash");
+  test_tmpdir (tmpdir, sizeof tmpdir, "bcf-crash");
   add (s, "journal_torn_newest", test_journal_torn_newest);
   add (s, "journal_gap_refused", test_journal_gap_refused);
   add (s, "crash_inserts", test_crash_inserts);

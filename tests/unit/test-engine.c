@@ -34,20 +34,11 @@
 #include "bcachefilter/cache.h"
 #include "engine.h"
 #include "mem-backing.h"
+#include "testlib.h"
 
 static unsigned seed;
 static char tmpdir[256];
 
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
-static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
 
 #define BLOCK 4096u
 
@@ -1110,22 +1101,11 @@ engine_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
   SRunner *sr;
   int failed;
 
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-engine: seed=%u (set TEST_SEED to replay)\n", seed);
-  fflush (stdout);
-  /* Cache files on tmpfs where there is one: the tests flush often, and
-   * fdatasync on a disk file system would dominate their run time. */
-  snprintf (tmpdir, sizeof tmpdir, "%s/bcf-engine-XXXXXX",
-            getenv ("TEST_TMPDIR") ? getenv ("TEST_TMPDIR")
-            : access ("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp (tmpdir)) {
-    perror ("mkdtemp");
-    return 99;
-  }
+  seed = test_seed ("test-engine");
+  test_tmpdir (tmpdir, sizeof tmpdir, "bcf-engine");
   sr = srunner_create (engine_suite ());
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);

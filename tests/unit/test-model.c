@@ -68,6 +68,7 @@
 #include "bcachefilter/cache.h"
 #include "engine.h"
 #include "mem-backing.h"
+#include "testlib.h"
 
 static unsigned seed;
 static char tmpdir[256];
@@ -87,16 +88,6 @@ static char tmpdir[256];
   } while (0)
 static uint64_t total_ops;
 
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
-static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
 
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
@@ -734,24 +725,17 @@ END_TEST
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
   Suite *s = suite_create ("model");
   SRunner *sr;
   int failed;
 
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
+  seed = test_seed ("test-model");
   total_ops = getenv ("TEST_MODEL_OPS")
               ? strtoull (getenv ("TEST_MODEL_OPS"), NULL, 0) : 2000000;
-  printf ("test-model: seed=%u (set TEST_SEED to replay), %" PRIu64
-          " operations (TEST_MODEL_OPS)\n", seed, total_ops);
+  printf ("test-model: %" PRIu64 " operations (TEST_MODEL_OPS)\n",
+          total_ops);
   fflush (stdout);
-  snprintf (tmpdir, sizeof tmpdir, "%s/bcf-model-XXXXXX",
-            getenv ("TEST_TMPDIR") ? getenv ("TEST_TMPDIR")
-            : access ("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp (tmpdir)) {
-    perror ("mkdtemp");
-    return 99;
-  }
+  test_tmpdir (tmpdir, sizeof tmpdir, "bcf-model");
   for (unsigned i = 0; i < sizeof configs / sizeof configs[0]; i++) {
     TCase *tc = tcase_create (configs[i].name);
     tcase_set_timeout (tc, 600);

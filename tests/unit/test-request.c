@@ -29,6 +29,7 @@
 #include "engine.h"
 #include "io.h"
 #include "mem-backing.h"
+#include "testlib.h"
 
 #define BLOCK 4096u
 #define MiB (1024u * 1024u)
@@ -36,15 +37,6 @@
 static char tmpdir[256];
 static unsigned seed;
 
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
 
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
@@ -651,21 +643,12 @@ request_suite (void)
 int
 main (void)
 {
-  const char *t = getenv ("TEST_TMPDIR");
   SRunner *sr;
   int failed;
 
-  seed = getenv ("TEST_SEED") ? (unsigned) strtoul (getenv ("TEST_SEED"),
-                                                    NULL, 0)
-         : (unsigned) time (NULL);
-  printf ("test-request: seed %u (TEST_SEED=%u to repeat)\n", seed, seed);
+  seed = test_seed ("test-request");
   rng_state = seed * 0x9e3779b97f4a7c15ull + 1;
-  snprintf (tmpdir, sizeof tmpdir, "%s/test-request.XXXXXX",
-            t ? t : access ("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-  if (!mkdtemp (tmpdir)) {
-    perror ("mkdtemp");
-    return 1;
-  }
+  test_tmpdir (tmpdir, sizeof tmpdir, "test-request");
   sr = srunner_create (request_suite ());
   srunner_run_all (sr, CK_ENV);
   failed = srunner_ntests_failed (sr);

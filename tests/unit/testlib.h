@@ -1,0 +1,30 @@
+/* bcachefilter tests: helpers shared by the engine unit tests
+ * (test-engine, test-crash, test-model, test-request).
+ *
+ * - rnd / rnd_below: the xorshift64* generator every random test uses;
+ *   each test seeds rng_state itself (from the printed seed), so a run is
+ *   replayed with TEST_SEED.
+ * - test_seed: TEST_SEED or the clock, printed first.
+ * - test_tmpdir: a fresh directory for cache files, on tmpfs where there
+ *   is one (the tests flush often, and fdatasync on a disk file system
+ *   would dominate their run time); TEST_TMPDIR overrides.
+ */
+#ifndef BCACHEFILTER_TESTLIB_H
+#define BCACHEFILTER_TESTLIB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+extern uint64_t rng_state;
+uint64_t rnd (void);
+uint64_t rnd_below (uint64_t n);
+
+/* The seed for this run, printed as "NAME: seed=N (set TEST_SEED to
+ * replay)". */
+unsigned test_seed (const char *name);
+
+/* Make a fresh directory PREFIX-XXXXXX and store its path in buf; exits
+ * with 99 (a hard error for automake) if it cannot. */
+void test_tmpdir (char *buf, size_t len, const char *prefix);
+
+#endif /* BCACHEFILTER_TESTLIB_H */
