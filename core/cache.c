@@ -384,7 +384,6 @@ bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
   const uint64_t inode = c->inode;
   uint64_t pos, end;
   unsigned i = 0;
-  bool all_hit = true;
   int r;
 
   *n = 0;
@@ -442,7 +441,6 @@ bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
         };
       }
       else {
-        all_hit = false;
         if (i > 0 && out[i - 1].kind == BCF_EXTENT_MISS &&
             out[i - 1].offset + out[i - 1].len == pos << BCH_SECTOR_SHIFT)
           out[i - 1].len += (stop - pos) << BCH_SECTOR_SHIFT;
@@ -459,8 +457,9 @@ bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
   }
   pthread_rwlock_unlock (&c->tree_lock);
   *n = i;
-  if (r == 0)
-    atomic_fetch_add (all_hit ? &c->stats.hits : &c->stats.misses, 1);
+  /* No counting here: a lookup is not a request (the request path counts
+   * hits and misses per request, bcache's way), and a shared counter
+   * written by every lookup would be a contended line on the hit path. */
   return r;
 }
 
@@ -772,8 +771,6 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->journal_last_seq = c->journal.last_seq;
   st->journal_writes = c->journal.writes;
   pthread_mutex_unlock (&c->journal.lock);
-  st->hits = atomic_load (&c->stats.hits);
-  st->misses = atomic_load (&c->stats.misses);
   st->miss_collisions = atomic_load (&c->stats.miss_collisions);
   st->read_races = atomic_load (&c->stats.read_races);
   st->inserts = atomic_load (&c->stats.inserts);

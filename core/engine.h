@@ -400,7 +400,7 @@ struct bcf_cache {
   pthread_t journal_thread, gc_thread, alloc_thread;
 
   struct {
-    atomic_uint_fast64_t hits, misses, miss_collisions, read_races;
+    atomic_uint_fast64_t miss_collisions, read_races;
     atomic_uint_fast64_t inserts, invalidates, device_errors;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

@@ -873,6 +873,17 @@ bch_uuid_entry_decode (const void *buf128, struct bch_uuid_entry *u)
  * uuid text form
  * ------------------------------------------------------------------------ */
 
+bool
+bch_is_zero (const void *p, size_t n)
+{
+  const uint8_t *b = p;
+
+  for (size_t i = 0; i < n; i++)
+    if (b[i])
+      return false;
+  return true;
+}
+
 void
 bch_uuid_unparse (const uint8_t uuid[16], char out[37])
 {

@@ -137,7 +137,6 @@ struct bcf_req {
   atomic_bool passthrough;
   atomic_bool abandoned;        /* the device knows it was given up */
   pthread_mutex_t abandon_lock;
-  atomic_bool tracker_disabled; /* tests only */
 
   /* The fill queue and its workers. */
   pthread_mutex_t fill_lock;
@@ -413,7 +412,6 @@ bcf_req_counters (struct bcf_req *r)
 void
 bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled)
 {
-  atomic_store (&r->tracker_disabled, disabled);
   bcf_bypass_test_disable (r->tracker, disabled);
 }
 
@@ -520,12 +518,6 @@ should_bypass (struct bcf_req *r, uint64_t offset, uint64_t count)
   return cutoff > 0 && stream >= cutoff;
 }
 
-static bool
-tracker_busy (struct bcf_req *r, uint64_t offset, uint64_t len)
-{
-  return bcf_bypass_busy (r->tracker, offset, len);
-}
-
 static int
 backing_pread (const struct bcf_backing *b, void *buf, uint64_t len,
                uint64_t offset)
@@ -553,7 +545,7 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
     return backing_pread (b, buf, e->len, e->offset);
   }
   /* Step 2: after our check key is in (see the header comment). */
-  if (tracker_busy (r, e->offset, e->len)) {
+  if (bcf_bypass_busy (r->tracker, e->offset, e->len)) {
     bcf_miss_cancel (r->c, &m);
     return backing_pread (b, buf, e->len, e->offset);
   }

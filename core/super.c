@@ -69,15 +69,6 @@ random_bytes (uint8_t *p, size_t n)
   }
 }
 
-static bool
-all_zero (const uint8_t *p, size_t n)
-{
-  for (size_t i = 0; i < n; i++)
-    if (p[i])
-      return false;
-  return true;
-}
-
 /* Geometry fields derived from the superblock. */
 static void
 set_geometry (struct bcf_cache *c)
@@ -102,7 +93,7 @@ edges_zero (struct bcf_cache *c)
   for (int i = 0; i < 2 && zero; i++) {
     uint64_t off = i == 0 ? 0 : size > span ? size - span : 0;
     size_t len = size < span ? (size_t) size / 4096 * 4096 : span;
-    zero = bcf_io_pread (c->io, buf, len, off) == 0 && all_zero (buf, len);
+    zero = bcf_io_pread (c->io, buf, len, off) == 0 && bch_is_zero (buf, len);
   }
   if (buf)
     bcf_buf_free (buf, span);
@@ -521,7 +512,7 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
     return r;
   }
-  blank = all_zero (buf, 2 * BCH_SB_AREA_SIZE) && edges_zero (c);
+  blank = bch_is_zero (buf, 2 * BCH_SB_AREA_SIZE) && edges_zero (c);
   st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &c->sb, &d);
   if (st == BCH_OK)
     st = bch_sb_validate (&c->sb, dev_sectors, &d);

@@ -377,15 +377,6 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
 
 /* ---- .get_ready: probe the cache device before forking ---------------------------- */
 
-static bool
-all_zero (const uint8_t *p, size_t n)
-{
-  for (size_t i = 0; i < n; i++)
-    if (p[i])
-      return false;
-  return true;
-}
-
 #define MIN_BUCKETS 128
 
 /* Can a cache of size bytes be formatted with the configured geometry?
@@ -529,7 +520,7 @@ probe_cache_device (void)
   }
   if (cfg.format == BCF_FORMAT_FORCE)
     return check_format_size (size, cfg.path);
-  if (all_zero (buf, sizeof buf)) {
+  if (bch_is_zero (buf, sizeof buf)) {
     if (cfg.format == BCF_FORMAT_NEVER) {
       nbdkit_error ("bcache=%s is blank, not a cache, and bcache-format=never "
                     "forbids formatting it", cfg.path);

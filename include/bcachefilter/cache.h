@@ -213,7 +213,7 @@ struct bcf_cache_stats {
   uint64_t btree_evictions, btree_loads;  /* node cache */
   uint64_t dirty_sectors;
   uint64_t journal_seq, journal_last_seq, journal_writes;
-  uint64_t hits, misses, miss_collisions, read_races;
+  uint64_t miss_collisions, read_races;   /* hits and misses: stats.h */
   uint64_t inserts, invalidates;
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

@@ -590,8 +590,10 @@ static inline void bch_put_le64 (void *p, uint64_t v)
 void bch_uuid_unparse (const uint8_t uuid[16], char out[37]);
 /* Parse; returns 0 or -1. */
 int bch_uuid_parse (const char *s, uint8_t uuid[16]);
+/* Are all n bytes at p zero?  (A blank device, an empty uuid slot.) */
+bool bch_is_zero (const void *p, size_t n);
 static inline bool bch_uuid_is_zero (const uint8_t uuid[16])
-{ for (int i = 0; i < 16; i++) if (uuid[i]) return false; return true; }
+{ return bch_is_zero (uuid, 16); }
 
 #ifdef __cplusplus
 }
