@@ -341,9 +341,30 @@ static __thread int tls_ring_err;  /* this thread could not get a ring */
 /* 0 unknown, 1 the kernel has every opcode we use, -errno if not. */
 static atomic_int uring_ops;
 
+/* ThreadSanitizer and ring memory.  liburing maps and unmaps a ring with
+ * its own system calls, which TSan does not intercept, so it keeps the
+ * shadow state of a finished thread's ring; a new thread's ring mapped
+ * at the same address then looks like a racing access to that thread's
+ * SQEs and CQ head (seen in CI: io_uring_prep_rw, io_uring_sqe_set_data,
+ * io_uring_cq_advance, each against a "finished" thread).  The memory
+ * really is handed over through the kernel, after the old ring's last
+ * use: say so, with a release when a ring is freed and an acquire when
+ * one is created, on one sync object. */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire (void *addr);
+void __tsan_release (void *addr);
+static char tsan_ring_sync;
+static void tsan_ring_acquire (void) { __tsan_acquire (&tsan_ring_sync); }
+static void tsan_ring_release (void) { __tsan_release (&tsan_ring_sync); }
+#else
+static void tsan_ring_acquire (void) { }
+static void tsan_ring_release (void) { }
+#endif
+
 static void
 ring_free (struct io_uring *ring, bool exit_ring)
 {
+  tsan_ring_release ();
   if (exit_ring)
     io_uring_queue_exit (ring);
   free (ring);
@@ -414,31 +435,6 @@ ring_check_ops (struct io_uring *ring)
   return ok < 0 ? ok : 0;
 }
 
-#if defined(__SANITIZE_THREAD__)
-/* ThreadSanitizer's dynamic annotation: forget the history of a range. */
-void AnnotateNewMemory (const char *file, int line,
-                        const volatile void *mem, size_t size);
-
-/* A new ring's mappings may sit where a dead thread's ring was, and TSan
- * keeps shadow state across that munmap/mmap (they are anon_inode
- * mappings): the new thread's first SQE writes were reported as racing
- * with the dead thread's last ones.  The memory is new: say so. */
-static void
-ring_annotate_new (struct io_uring *ring)
-{
-  AnnotateNewMemory (__FILE__, __LINE__, ring->sq.sqes,
-                     ring->sq.ring_entries * sizeof (struct io_uring_sqe));
-  AnnotateNewMemory (__FILE__, __LINE__, ring->sq.ring_ptr, ring->sq.ring_sz);
-  if (ring->cq.ring_ptr != ring->sq.ring_ptr)
-    AnnotateNewMemory (__FILE__, __LINE__, ring->cq.ring_ptr,
-                       ring->cq.ring_sz);
-}
-#else
-static void
-ring_annotate_new (struct io_uring *ring)
-{
-}
-#endif
 
 static struct io_uring *
 ring_create (int *errp)
@@ -460,7 +456,7 @@ ring_create (int *errp)
     *errp = -r;
     return NULL;
   }
-  ring_annotate_new (ring);
+  tsan_ring_acquire ();
   r = ring_check_ops (ring);
   if (r < 0) {
     ring_free (ring, true);
