@@ -536,52 +536,170 @@ bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return 0;
 }
 
+/* One chunk of a fill: a piece of one miss, written to one allocation. */
+struct fill_chunk {
+  unsigned miss;                /* index into the batch */
+  uint64_t s, e;                /* sectors */
+  uint64_t ptr;                 /* from alloc_sectors; 0 = not allocated */
+};
+
+/* The largest piece of a fill one allocation takes: a key's size, within
+ * a bucket, in whole blocks. */
+static uint64_t
+fill_chunk_sectors (const struct bcf_cache *c)
+{
+  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
+                   : MAX_KEY_SECTORS;
+  return chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
+         (c->block_bytes >> BCH_SECTOR_SHIFT);
+}
+
+/* Give back the allocations of chunks [from, to) that have one. */
+static void
+put_chunks (struct bcf_cache *c, struct fill_chunk *ch, size_t from,
+            size_t to)
+{
+  for (size_t i = from; i < to; i++)
+    if (ch[i].ptr) {
+      alloc_put (c, ch[i].ptr);
+      ch[i].ptr = 0;
+    }
+}
+
+/* Batched fills.  Three phases, so that the device sees the writes of the
+ * whole batch at once (one submission: the block layer merges the ones
+ * allocated next to each other, and the device gets one doorbell, which
+ * on a virtual machine is the dominant cost of a small write):
+ *   1. allocate every chunk (a miss whose allocation fails is cancelled);
+ *   2. write them all with one bcf_io_submit;
+ *   3. per miss, in chunk order: replace-insert each written chunk against
+ *      the check key; at the first chunk whose write failed, give the rest
+ *      back and cancel the miss (its earlier chunks stay: each was inserted
+ *      against our own check key, so it is exactly the data read).
+ * Each allocation stays pinned (alloc_put not yet called) from phase 1 to
+ * its insert, so no bucket is invalidated under its write. */
+void
+bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
+                    const void *const *data, unsigned n, int *res)
+{
+  const uint64_t chunk = fill_chunk_sectors (c);
+  struct fill_chunk *ch = NULL;
+  struct bcf_io_seg *segs = NULL;
+  void **bounce = NULL;
+  size_t nch = 0, k;
+  int r;
+
+  for (unsigned i = 0; i < n; i++) {
+    res[i] = 0;
+    nch += (ms[i]->len / BCH_SECTOR_SIZE + chunk - 1) / chunk;
+  }
+  ch = calloc (nch ? nch : 1, sizeof *ch);
+  segs = calloc (nch ? nch : 1, sizeof *segs);
+  bounce = calloc (n ? n : 1, sizeof *bounce);
+  if (!ch || !segs || !bounce) {
+    for (unsigned i = 0; i < n; i++) {
+      bcf_miss_cancel (c, ms[i]);
+      res[i] = -ENOMEM;
+    }
+    goto out;
+  }
+
+  /* 1. Allocate. */
+  k = 0;
+  for (unsigned i = 0; i < n; i++) {
+    const uint64_t s = ms[i]->offset >> BCH_SECTOR_SHIFT;
+    const uint64_t e = (ms[i]->offset + ms[i]->len) >> BCH_SECTOR_SHIFT;
+    const uint8_t *src = data[i];
+    const size_t first = k;
+
+    if ((uintptr_t) src % BCF_BUF_ALIGN) {
+      if (!(bounce[i] = bcf_buf_alloc (ms[i]->len)))
+        res[i] = -ENOMEM;
+      else {
+        memcpy (bounce[i], src, ms[i]->len);
+        src = bounce[i];
+      }
+    }
+    for (uint64_t p = s; p < e && res[i] == 0; p += chunk) {
+      uint64_t pe = p + chunk < e ? p + chunk : e;
+
+      if (c->failed)
+        res[i] = -ENOSPC;
+      else if ((r = alloc_sectors (c, (uint32_t) (pe - p), false,
+                                   &ch[k].ptr)) < 0)
+        res[i] = r;
+      else {
+        ch[k].miss = i;
+        ch[k].s = p;
+        ch[k].e = pe;
+        segs[k] = (struct bcf_io_seg) {
+          .op = BCF_IO_WRITE,
+          .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
+          .len = (pe - p) << BCH_SECTOR_SHIFT,
+          .off = PTR_OFFSET (ch[k].ptr) << BCH_SECTOR_SHIFT,
+        };
+        k++;
+      }
+    }
+    if (res[i] < 0) {
+      put_chunks (c, ch, first, k);
+      k = first;
+      bcf_miss_cancel (c, ms[i]);
+    }
+  }
+  nch = k;
+
+  /* 2. Write. */
+  if (nch)
+    bcf_io_submit (c->io, segs, (unsigned) nch);
+
+  /* 3. Insert, per miss in chunk order. */
+  for (k = 0; k < nch; k++) {
+    const unsigned i = ch[k].miss;
+    const uint64_t s = ms[i]->offset >> BCH_SECTOR_SHIFT;
+    struct ckey key, expect;
+
+    if (res[i] < 0 && res[i] != -EEXIST) {
+      put_chunks (c, ch, k, k + 1);   /* the miss failed on an earlier chunk */
+      continue;
+    }
+    if (segs[k].result < 0) {
+      atomic_fetch_add (&c->stats.device_errors, 1);
+      put_chunks (c, ch, k, k + 1);
+      bcf_miss_cancel (c, ms[i]);
+      res[i] = segs[k].result;
+      continue;
+    }
+    key = range_piece (c, ch[k].s, ch[k].e, ch[k].s, true, ch[k].ptr, false);
+    expect = range_piece (c, ch[k].s, ch[k].e, s, true, ms[i]->check_ptr,
+                          false);
+    r = replace_key (c, &key, &expect);
+    put_chunks (c, ch, k, k + 1);
+    if (r == -EEXIST) {
+      atomic_fetch_add (&c->stats.miss_collisions, 1);
+      res[i] = -EEXIST;
+    }
+    else if (r < 0)
+      res[i] = r;
+  }
+
+ out:
+  if (bounce)
+    for (unsigned i = 0; i < n; i++)
+      if (bounce[i])
+        bcf_buf_free (bounce[i], ms[i]->len);
+  free (bounce);
+  free (segs);
+  free (ch);
+}
+
 int
 bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data)
 {
-  const uint64_t s = m->offset >> BCH_SECTOR_SHIFT;
-  const uint64_t e = (m->offset + m->len) >> BCH_SECTOR_SHIFT;
-  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
-                   : MAX_KEY_SECTORS;
-  int ret = 0;
+  int r;
 
-  chunk = chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
-          (c->block_bytes >> BCH_SECTOR_SHIFT);
-  for (uint64_t p = s; p < e; p += chunk) {
-    uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
-    struct ckey k, expect;
-    int r;
-
-    if (c->failed) {
-      bcf_miss_cancel (c, m);
-      return -ENOSPC;
-    }
-    r = alloc_sectors (c, (uint32_t) (pe - p), false, &ptr);
-    if (r < 0) {
-      bcf_miss_cancel (c, m);
-      return r;
-    }
-    r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
-                   (pe - p) << BCH_SECTOR_SHIFT,
-                   PTR_OFFSET (ptr) << BCH_SECTOR_SHIFT);
-    if (r < 0) {
-      atomic_fetch_add (&c->stats.device_errors, 1);
-      alloc_put (c, ptr);
-      bcf_miss_cancel (c, m);
-      return r;
-    }
-    k = range_piece (c, p, pe, p, true, ptr, false);
-    expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
-    r = replace_key (c, &k, &expect);
-    alloc_put (c, ptr);
-    if (r == -EEXIST) {
-      atomic_fetch_add (&c->stats.miss_collisions, 1);
-      ret = -EEXIST;
-    }
-    else if (r < 0)
-      return r;
-  }
-  return ret;
+  bcf_miss_fill_many (c, &m, &data, 1, &r);
+  return r;
 }
 
 void

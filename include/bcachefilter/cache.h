@@ -163,6 +163,13 @@ int bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
  * -ENOSPC if no space; another -errno on a device error.  Not journalled:
  * a crash simply forgets it (clean data, safe). */
 int bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data);
+/* bcf_miss_fill for n misses at once: res[i] gets what bcf_miss_fill
+ * would return for ms[i] (data[i] holds ms[i]->len bytes).  The data
+ * writes of the whole batch go to the device in one submission, so
+ * neighbours merge and a device with a costly doorbell (a virtual disk)
+ * is rung once, not n times. */
+void bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
+                         const void *const *data, unsigned n, int *res);
 /* Remove our check key (if it is still there) without caching. */
 void bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m);
 

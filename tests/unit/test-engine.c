@@ -1055,6 +1055,98 @@ START_TEST (test_checkpoint_concurrent_changes)
 }
 END_TEST
 
+/* bcf_miss_fill_many: one batch holds a clean miss, a colliding one, a
+ * miss larger than a bucket (several chunks), one whose data is not
+ * aligned (bounced), and then, with a write fault armed, a batch where
+ * exactly one write fails: each miss gets what bcf_miss_fill would have
+ * returned, and the failed one is cancelled (no check key, nothing
+ * cached) while its neighbours are cached with the right bytes. */
+START_TEST (test_miss_fill_many)
+{
+  enum { N = 4, BUCKET_SECTORS = 64 };          /* 32 KiB buckets */
+  static const uint64_t off[N] = { 0, 65536, 131072, 524288 };
+  static const uint64_t len[N] = { 8192, 8192, 98304, 12288 };
+  struct fixture f;
+  struct bcf_miss m[N], *ms[N];
+  const void *data[N];
+  uint8_t *buf[N], *unaligned, *back;
+  struct bcf_extent e[8];
+  struct bcf_io_faults faults = { .fail_nth = 2, .fail_writes_only = true };
+  struct bcf_cache_stats st;
+  int res[N];
+  unsigned n;
+
+  fixture_init (&f, "fillmany.img", 16 << 20, 32 << 20, BUCKET_SECTORS);
+  fixture_open (&f);
+  unaligned = malloc (len[3] + 1);
+  back = malloc (98304);
+  for (unsigned i = 0; i < N; i++) {
+    buf[i] = malloc (len[i]);
+    fill (buf[i], len[i]);
+    ck_assert_int_eq (bcf_miss_begin (f.c, off[i], len[i], &m[i]), 0);
+    ms[i] = &m[i];
+    data[i] = buf[i];
+  }
+  memcpy (unaligned + 1, buf[3], len[3]);
+  data[3] = unaligned + 1;
+  ck_assert_int_eq (bcf_invalidate (f.c, off[1] + 4096, 4096, true), 0);
+
+  bcf_miss_fill_many (f.c, ms, data, N, res);
+  ck_assert_int_eq (res[0], 0);
+  ck_assert_int_eq (res[1], -EEXIST);
+  ck_assert_int_eq (res[2], 0);
+  ck_assert_int_eq (res[3], 0);
+  for (unsigned i = 0; i < N; i++) {
+    ck_assert_int_eq (bcf_lookup (f.c, off[i], len[i], e, 8, &n), 0);
+    if (i == 1) {
+      for (unsigned x = 0; x < n; x++)
+        ck_assert_int_eq (e[x].kind, BCF_EXTENT_MISS);
+      continue;
+    }
+    for (unsigned x = 0; x < n; x++) {
+      ck_assert_int_eq (e[x].kind, BCF_EXTENT_HIT);
+      ck_assert_int_eq (bcf_read_hit (f.c, &e[x], back), 0);
+      ck_assert_msg (memcmp (back, buf[i] + (e[x].offset - off[i]),
+                             e[x].len) == 0,
+                     "miss %u: cached bytes differ at %" PRIu64, i,
+                     e[x].offset);
+    }
+  }
+  ck_assert_msg (n >= 1, "lookup found nothing");
+
+  /* Now the second write of a batch of three single-chunk misses fails. */
+  for (unsigned i = 0; i < 3; i++) {
+    ck_assert_int_eq (bcf_invalidate (f.c, off[i], len[i], true), 0);
+    ck_assert_int_eq (bcf_miss_begin (f.c, off[i], 8192, &m[i]), 0);
+    data[i] = buf[i];
+  }
+  bcf_cache_stats (f.c, &st);
+  uint64_t errors = st.device_errors;
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  bcf_miss_fill_many (f.c, ms, data, 3, res);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  ck_assert_int_eq (res[0], 0);
+  ck_assert_int_eq (res[1], -EIO);
+  ck_assert_int_eq (res[2], 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.device_errors, errors + 1);
+  for (unsigned i = 0; i < 3; i++) {
+    ck_assert_int_eq (bcf_lookup (f.c, off[i], 8192, e, 8, &n), 0);
+    ck_assert_uint_eq (n, 1);
+    ck_assert_int_eq (e[0].kind, i == 1 ? BCF_EXTENT_MISS : BCF_EXTENT_HIT);
+  }
+  /* The failed miss's check key is gone: a new miss there fills. */
+  ck_assert_int_eq (bcf_miss_begin (f.c, off[1], 8192, &m[1]), 0);
+  ck_assert_int_eq (bcf_miss_fill (f.c, &m[1], buf[1]), 0);
+
+  for (unsigned i = 0; i < N; i++)
+    free (buf[i]);
+  free (unaligned);
+  free (back);
+  fixture_free (&f);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -1082,6 +1174,7 @@ engine_suite (void)
   add (s, "format_reopen", test_format_reopen);
   add (s, "make_bcache_interop", test_make_bcache_interop);
   add (s, "miss_collision", test_miss_collision);
+  add (s, "miss_fill_many", test_miss_fill_many);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);
