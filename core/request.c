@@ -28,7 +28,8 @@
  *      before its insert).  A late fill is as safe as an early one: the
  *      check key decides.  If the queue is full the fill is dropped
  *      (the check key removed): caching is an optimisation, waiting is
- *      not allowed.
+ *      not allowed.  The workers take the queue in batches
+ *      (bcf_miss_fill_many), one device submission per batch.
  *
  * Write (every mode): the backing write is registered in the tracker for
  * its whole duration, and the span is invalidated durably before the
@@ -103,6 +104,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bcachefilter/request.h"
 #include "bypass.h"
@@ -113,12 +115,16 @@
 #define DEFAULT_ERROR_LIMIT 64
 #define FILL_WORKERS 2
 #define FILL_QUEUE_BYTES (32u << 20)
+#define FILL_BATCH 64                   /* fills per device submission */
+#define FILL_BATCH_BYTES (4u << 20)
+#define FILL_LINGER_NS 1000000ull       /* how long a small batch may wait */
 
 /* A queued cache fill: a check key and a copy of its data. */
 struct fill {
   struct fill *next;
   struct bcf_miss m;
   uint64_t seq;                 /* enqueue order, for drain */
+  uint64_t queued_ns;           /* CLOCK_MONOTONIC at enqueue */
   void *data;                   /* m.len bytes, 4 KiB aligned */
 };
 
@@ -143,6 +149,8 @@ struct bcf_req {
   pthread_cond_t fill_work, fill_done;
   struct fill *fill_head, *fill_tail;
   uint64_t fill_bytes;          /* queued, not yet taken */
+  unsigned fill_count;          /* fills queued, not yet taken */
+  unsigned fill_drainers;       /* bcf_req_drain callers waiting */
   uint64_t fill_enq;            /* seq of the last enqueued fill */
   uint64_t fill_busy[FILL_WORKERS];     /* seq a worker runs, 0 = none */
   bool fill_stop;
@@ -188,12 +196,10 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
 
 static void device_error (struct bcf_req *r);
 
-/* Run one fill (step 4 / W5): insert against the check key. */
+/* Account for one fill's result (step 4 / W5). */
 static void
-run_fill (struct bcf_req *r, struct fill *f)
+fill_result (struct bcf_req *r, int rc)
 {
-  int rc = bcf_miss_fill (r->c, &f->m, f->data);
-
   if (rc == -EEXIST)
     bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
   else if (rc < 0 && rc != -ENOSPC)
@@ -207,6 +213,68 @@ free_fill (struct fill *f)
   free (f);
 }
 
+/* Run a batch of fills (a list linked by next, n of them) with one
+ * device submission, and free them. */
+static void
+run_fills (struct bcf_req *r, struct fill *batch, unsigned n)
+{
+  struct bcf_miss *ms[FILL_BATCH];
+  const void *data[FILL_BATCH];
+  int res[FILL_BATCH];
+  struct fill *f = batch;
+
+  for (unsigned i = 0; i < n; i++, f = f->next) {
+    ms[i] = &f->m;
+    data[i] = f->data;
+  }
+  bcf_miss_fill_many (r->c, ms, data, n, res);
+  for (unsigned i = 0; i < n; i++) {
+    struct fill *next = batch->next;
+    fill_result (r, res[i]);
+    free_fill (batch);
+    batch = next;
+  }
+}
+
+static uint64_t
+monotonic_ns (void)
+{
+  struct timespec ts;
+
+  clock_gettime (CLOCK_MONOTONIC, &ts);
+  return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+static struct timespec
+ns_to_timespec (uint64_t ns)
+{
+  return (struct timespec) { .tv_sec = (time_t) (ns / 1000000000u),
+                             .tv_nsec = (long) (ns % 1000000000u) };
+}
+
+/* Should a worker take the queue now rather than let it grow?  Under
+ * fill_lock. */
+static bool
+batch_ready (const struct bcf_req *r)
+{
+  return r->fill_count >= FILL_BATCH || r->fill_bytes >= FILL_BATCH_BYTES ||
+         r->fill_drainers || r->fill_stop;
+}
+
+/* Each worker takes what is queued, up to FILL_BATCH fills and
+ * FILL_BATCH_BYTES (at least one fill), and runs it as one batch: under
+ * a stream of misses the device gets a few large submissions instead of
+ * one small write per miss.  A batch is a prefix of the FIFO, so its seqs
+ * are consecutive and fill_busy holds the first (for drain).
+ *
+ * A small batch lingers until its oldest fill is FILL_LINGER_NS old,
+ * unless the batch fills up or a drain (FLUSH) or stop wants it: at a few
+ * thousand misses a second that turns one write per miss into one per
+ * several.  The delay is harmless to correctness (the check key decides
+ * whether a late fill may insert) and costs a client nothing: it has its
+ * data already; a re-read inside the window misses again.  queue_fill
+ * wakes a worker only when the queue becomes non-empty or a batch is
+ * full, so a lingering worker is not woken by every miss. */
 static void *
 fill_worker (void *arg)
 {
@@ -215,23 +283,42 @@ fill_worker (void *arg)
 
   pthread_mutex_lock (&r->fill_lock);
   for (;;) {
-    struct fill *f = r->fill_head;
+    struct fill *batch = r->fill_head, *last;
+    uint64_t bytes, now;
+    unsigned n;
 
-    if (!f) {
+    if (!batch) {
       if (r->fill_stop)
         break;
       pthread_cond_wait (&r->fill_work, &r->fill_lock);
       continue;
     }
-    r->fill_head = f->next;
+    if (!batch_ready (r) &&
+        (now = monotonic_ns ()) < batch->queued_ns + FILL_LINGER_NS) {
+      struct timespec until = ns_to_timespec (batch->queued_ns +
+                                              FILL_LINGER_NS);
+      pthread_cond_timedwait (&r->fill_work, &r->fill_lock, &until);
+      continue;
+    }
+    last = batch;
+    bytes = batch->m.len;
+    n = 1;
+    while (last->next && n < FILL_BATCH &&
+           bytes + last->next->m.len <= FILL_BATCH_BYTES) {
+      last = last->next;
+      bytes += last->m.len;
+      n++;
+    }
+    r->fill_head = last->next;
     if (!r->fill_head)
       r->fill_tail = NULL;
-    r->fill_bytes -= f->m.len;
-    r->fill_busy[wa->idx] = f->seq;
+    last->next = NULL;
+    r->fill_bytes -= bytes;
+    r->fill_count -= n;
+    r->fill_busy[wa->idx] = batch->seq;
     pthread_mutex_unlock (&r->fill_lock);
 
-    run_fill (r, f);
-    free_fill (f);
+    run_fills (r, batch, n);
 
     pthread_mutex_lock (&r->fill_lock);
     r->fill_busy[wa->idx] = 0;
@@ -260,14 +347,17 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
     pthread_mutex_lock (&r->fill_lock);
     if (!r->fill_stop && r->fill_bytes + m->len <= FILL_QUEUE_BYTES) {
       f->seq = ++r->fill_enq;
+      f->queued_ns = monotonic_ns ();
       if (r->fill_tail)
         r->fill_tail->next = f;
       else
         r->fill_head = f;
       r->fill_tail = f;
       r->fill_bytes += m->len;
+      r->fill_count++;
       queued = true;
-      pthread_cond_signal (&r->fill_work);
+      if (r->fill_count == 1 || batch_ready (r))
+        pthread_cond_signal (&r->fill_work);
     }
     pthread_mutex_unlock (&r->fill_lock);
   }
@@ -300,8 +390,11 @@ bcf_req_drain (struct bcf_req *r)
 
   pthread_mutex_lock (&r->fill_lock);
   seq = r->fill_enq;
+  r->fill_drainers++;
+  pthread_cond_broadcast (&r->fill_work);     /* no lingering now */
   while (!fills_done_upto (r, seq))
     pthread_cond_wait (&r->fill_done, &r->fill_lock);
+  r->fill_drainers--;
   pthread_mutex_unlock (&r->fill_lock);
 }
 
@@ -316,7 +409,13 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     return NULL;
   pthread_mutex_init (&r->abandon_lock, NULL);
   pthread_mutex_init (&r->fill_lock, NULL);
-  pthread_cond_init (&r->fill_work, NULL);
+  {
+    pthread_condattr_t ca;      /* timed waits on CLOCK_MONOTONIC */
+    pthread_condattr_init (&ca);
+    pthread_condattr_setclock (&ca, CLOCK_MONOTONIC);
+    pthread_cond_init (&r->fill_work, &ca);
+    pthread_condattr_destroy (&ca);
+  }
   pthread_cond_init (&r->fill_done, NULL);
   r->c = c;
   r->block = bcf_cache_block_size (c);

@@ -378,6 +378,52 @@ START_TEST (writethrough_caches_writes)
 }
 END_TEST
 
+/* Fills linger to be batched (FILL_LINGER_NS) but must not wait for a
+ * FLUSH: a lone miss, and a burst of them, are cached with no drain.  The
+ * lookups here do not drain (unlike cached()); a fill that only ran at
+ * drain or close would fail this after its deadline. */
+static bool
+cached_no_drain (struct fx *f, uint64_t off, uint64_t len)
+{
+  struct bcf_extent e[64];
+  unsigned n;
+  uint64_t covered = 0;
+
+  ck_assert_int_eq (bcf_lookup (f->c, off, len, e, 64, &n), 0);
+  for (unsigned i = 0; i < n; i++)
+    if (e[i].kind == BCF_EXTENT_HIT)
+      covered += e[i].len;
+  return covered == len;
+}
+
+START_TEST (fills_run_without_drain)
+{
+  struct fx f;
+  uint8_t got[8192];
+  bool all = false;
+
+  fx_init (&f, "linger.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 5 * MiB), 0);
+  for (int i = 0; i < 10000 && !cached_no_drain (&f, 5 * MiB, sizeof got);
+       i++)
+    usleep (1000);
+  ck_assert_msg (cached_no_drain (&f, 5 * MiB, sizeof got),
+                 "a lone miss was not cached within 10 s without a drain");
+  for (unsigned i = 0; i < 100; i++)
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, 4096,
+                                    9 * MiB + i * 65536), 0);
+  for (int t = 0; t < 10000 && !all; t++) {
+    all = true;
+    for (unsigned i = 0; i < 100 && all; i++)
+      all = cached_no_drain (&f, 9 * MiB + i * 65536, 4096);
+    if (!all)
+      usleep (1000);
+  }
+  ck_assert_msg (all, "a burst of misses was not cached within 10 s");
+  fx_free (&f);
+}
+END_TEST
+
 /* Unaligned requests, and a backing store whose size is not a multiple of
  * the block size, against a shadow copy. */
 START_TEST (unaligned_requests)
@@ -632,6 +678,7 @@ request_suite (void)
   ADD (miss_before_write_collides);
   ADD (overlapping_writethrough_writes);
   ADD (writethrough_caches_writes);
+  ADD (fills_run_without_drain);
   ADD (unaligned_requests);
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
