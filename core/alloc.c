@@ -679,9 +679,13 @@ alloc_prio_write (struct bcf_cache *c)
       break;
   }
 
+  /* Durable before they are published: every journal entry written from
+   * then on names the new chain, and an ordinary entry (no data keys)
+   * does not flush first (journal.c). */
+  if (r == 0)
+    r = bcf_io_flush (c->io);
   if (r == 0) {
-    /* Publish the new chain, then commit it through the journal (whose
-     * write flushes the prio buckets first). */
+    /* Publish the new chain, then commit it through the journal. */
     pthread_mutex_lock (&a->lock);
     nold = a->nprio;
     memcpy (oldchain, a->prio_buckets, nold * sizeof oldchain[0]);

@@ -270,6 +270,7 @@ struct journal {
   size_t pending_words, pending_cap;
   bool writing;               /* a thread is writing an entry */
   bool pending_dirty;         /* the open entry holds keys */
+  bool pending_data;          /* ... and one of them points at data */
   bool sealed;                /* a checkpoint snapshot took the open
                                  entry's keys: it takes no more */
   /* Ring position: the next entry goes to bucket cur at block offset. */

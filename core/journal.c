@@ -17,6 +17,14 @@
  *
  * Writing an entry: flush the device (PREFLUSH: the data the keys point at
  * must be durable before the keys), write the entry, flush again (FUA).
+ * The PREFLUSH is skipped when no key in the entry points at data: an
+ * entry of whiteouts only (the invalidations a write to a cached range
+ * makes durable before its backing write, DESIGN.md) depends on no other
+ * write, and the metadata every entry names (root, prio chain, uuid
+ * bucket) is flushed before it is published (btree_checkpoint,
+ * alloc_prio_write, uuid_write), so no entry can name
+ * metadata that is not durable.  On this host that is one
+ * fdatasync (~0.2 ms) less on every write to a cached range.
  * Entries are written one at a time, in seq order, each only after the
  * previous one is durable — so after a crash the durable entries are a
  * prefix of the written ones and a gap can only mean corruption.
@@ -101,6 +109,8 @@ journal_add_key_locked (struct bcf_cache *c, const struct ckey *k)
     memcpy (j->pending + j->pending_words, tmp, bytes);
     j->pending_words += bytes / 8;
     j->pending_dirty = true;
+    if (ckey_has_ptr (k) && !ckey_is_check (k))
+      j->pending_data = true;
     seq = j->seq;
   }
   pthread_mutex_unlock (&j->lock);
@@ -230,6 +240,7 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   unsigned bucket;
   uint64_t offset, seq = j->seq, t0 = bcf_now_ns ();
   uint8_t *buf = j->buf;
+  bool preflush = meta || j->pending_data;
   int r;
 
   bytes = bch_jset_bytes ((uint32_t) j->pending_words);
@@ -266,6 +277,7 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   j->writing = true;
   j->pending_words = 0;
   j->pending_dirty = false;
+  j->pending_data = false;
   j->sealed = false;
   j->seq++;
   j->cur = bucket;
@@ -273,7 +285,7 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   j->bucket_seq[bucket] = seq;
   pthread_mutex_unlock (&j->lock);
 
-  r = bcf_io_flush (c->io);
+  r = preflush ? bcf_io_flush (c->io) : 0;
   if (r == 0)
     r = bcf_io_pwrite (c->io, buf, len,
                        c->sb.d[bucket] * c->bucket_bytes + offset);

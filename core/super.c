@@ -156,6 +156,10 @@ uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
   bch_uuid_entry_encode (u, buf);
   r = bcf_io_pwrite (c->io, buf, c->bucket_bytes, nb * c->bucket_bytes);
   bcf_buf_free (buf, c->bucket_bytes);
+  /* Durable before it is published: every journal entry names it, and
+   * an ordinary entry does not flush first (journal.c). */
+  if (r == 0)
+    r = bcf_io_flush (c->io);
   if (r < 0)
     return r;
   c->uuid_bucket = nb;
