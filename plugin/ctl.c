@@ -20,7 +20,7 @@
  * gets no answer.  Commands:
  *
  *   stats [--json]                          ops->stats
- *   set cache_mode writethrough|writeback|writearound|none
+ *   set cache_mode MODE   (the filter names and checks the modes)
  *                                           ops->set ("cache_mode", MODE)
  *   set sequential_cutoff SIZE              ops->set ("sequential_cutoff",
  *                                           bytes in decimal); SIZE is
@@ -106,11 +106,6 @@
 #define VALID_COMMANDS \
   "stats [--json], set cache_mode MODE, set sequential_cutoff SIZE, " \
   "trigger_gc, show super [--json], help"
-#define VALID_MODES "writethrough, writeback, writearound, none"
-
-static const char *const cache_modes[] = {
-  "writethrough", "writeback", "writearound", "none",
-};
 
 static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
@@ -430,18 +425,10 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
   char err[CTL_ERR_MAX] = "";
   char num[32], q[CTL_QUOTE_MAX + 8];
 
-  if (strcmp (name, "cache_mode") == 0) {
-    size_t i;
-
-    for (i = 0; i < sizeof cache_modes / sizeof cache_modes[0]; i++)
-      if (strcmp (value, cache_modes[i]) == 0)
-        break;
-    if (i == sizeof cache_modes / sizeof cache_modes[0]) {
-      reply_error (r, "invalid cache_mode '%s': valid modes are "
-                   VALID_MODES, quote (value, q, sizeof q));
-      return;
-    }
-  }
+  /* cache_mode is passed on as it is: the filter's parser is the one
+   * place that knows the modes (and why writeback is refused). */
+  if (strcmp (name, "cache_mode") == 0)
+    ;
   else if (strcmp (name, "sequential_cutoff") == 0) {
     uint64_t bytes;
 
@@ -472,7 +459,7 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
 
 static const char help_text[] =
   "stats [--json]              hit/miss/bypass counters (total, five_minute, hour, day)\n"
-  "set cache_mode MODE         MODE: writethrough, writeback, writearound or none\n"
+  "set cache_mode MODE         MODE: writethrough, writearound or none\n"
   "set sequential_cutoff SIZE  bytes, or with a k, M or G suffix; 0 disables\n"
   "trigger_gc                  start a garbage collection\n"
   "show super [--json]         the cache superblock\n"
@@ -530,7 +517,7 @@ handle_line (const struct bcf_ctl_ops *ops, char *line, size_t len,
     if (nw == 3)
       run_set (r, ops, word[1], word[2]);
     else
-      reply_error (r, "usage: set cache_mode MODE (" VALID_MODES "), or "
+      reply_error (r, "usage: set cache_mode MODE, or "
                    "set sequential_cutoff SIZE");
   }
   else if (strcmp (word[0], "trigger_gc") == 0 ||
