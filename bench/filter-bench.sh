@@ -3,10 +3,11 @@
 #
 # WHAT IT MEASURES
 #   fio's nbd engine (one job, iodepth 16, the same as nbdkit's default of
-#   16 threads per connection) against five front ends.  Each one serves
-#   the same "remote": nbdkit's memory plugin, filled with random data,
-#   behind `--filter=delay delay-read=1ms delay-write=1ms` on a unix socket.
-#   It stands in for a NAS.
+#   16 threads per connection) against the configs below.  The proxy and
+#   cache configs serve the same "remote": nbdkit's memory plugin, filled
+#   with random data, behind `--filter=delay delay-read=1ms delay-write=1ms`
+#   on a unix socket.  It stands in for a NAS.  The ceilings (file, filepc,
+#   qemunbd) serve a local copy of the same data, with no remote at all.
 #
 #     remote        fio talks to the remote directly (no proxy)
 #     proxy         nbdkit nbd plugin -> remote (pass-through proxy)
@@ -15,16 +16,33 @@
 #     bcachefilter  nbdkit --filter=$FILTER_SO nbd -> remote,
 #                   bcache=$WORKDIR/cache.img bcache-size=2*SIZE
 #                   (default mode writethrough, the cache file is O_DIRECT)
+#     bcachefilter-pc  the same plus bcache-direct=false: the cache file goes
+#                   through the page cache.  Its own fresh cache file and its
+#                   own warm-up.  Compare it with filepc.
 #     file          nbdkit file plugin, cache=none, on a local file in
-#                   $WORKDIR: the ceiling (no remote at all)
+#                   $WORKDIR: the issue's ceiling (no remote at all).  NB:
+#                   in nbdkit 1.32 cache=none is not O_DIRECT, it is
+#                   posix_fadvise(DONTNEED) after each request, and a good
+#                   part of its reads still come from the page cache (see the
+#                   "device reads/IO" column).
 #     filepc        the file plugin with the page cache (cache=default), for
-#                   reference: a second, higher ceiling
+#                   reference: a second, higher ceiling.  For hits, the data
+#                   file is read once first, so that it starts in the page
+#                   cache (the cache=none run evicts part of it).
+#     qemunbd       qemu-nbd -f raw --persistent --shared=16 --cache=none
+#                   --aio=io_uring on the same local file: a true O_DIRECT
+#                   server, the fair ceiling for bcachefilter's default
+#                   O_DIRECT cache file.  Skipped with a warning if qemu-nbd
+#                   is not installed.
+#   The ceilings run every workload like the other configs; they only mean
+#   something for hits (and are cheap elsewhere).
 #
 #   Workloads (all 4 KiB unless stated, over the whole SIZE export):
 #     hits     random reads of a WARM working set.  Cache configs first get
 #              a warm-up pass: 4 KiB random reads, every block of the
 #              export exactly once (fio's random map), at QD16, with
-#              bcachefilter's default settings.  A random pass, not a
+#              bcachefilter's default settings (plus bcache-direct=false
+#              for bcachefilter-pc).  A random pass, not a
 #              sequential one, because bcachefilter's sequential cutoff
 #              (4 MiB) rightly bypasses sequential streams; and 4 KiB
 #              reads leave one 4 KiB extent per block in its index, the
@@ -46,45 +64,65 @@
 #   At the end: a table of IOPS (MiB/s for seqread) and median latencies,
 #   and the ratios the issue's targets are stated in:
 #     hits   bcachefilter / file          target >= 0.90
+#     hits   bcachefilter / filepc        target >= 0.90 (reference)
+#     hits   bcachefilter / qemunbd       target >= 0.90 (the true O_DIRECT
+#                                         ceiling: both read the device)
+#     hits   bcachefilter-pc / filepc     target >= 0.90 (both through the
+#                                         page cache)
 #     zipf   bcachefilter / remote        target >= 0.95
 #     randrw bcachefilter / remote        target >= 0.95 (total IOPS; the
 #                                         read IOPS are shown too)
 #     seq    bcachefilter / proxy         target >= 0.95
 #   The same ratios are printed for nbdkit's cache filter, for reference.
+#
+#   Every run also gets "device reads/IO": the reads completed (field 1 of
+#   /sys/class/block/DEV/stat) by the block device holding WORKDIR over the
+#   fio job, divided by fio's I/O count.  It shows whether a front end
+#   really reads the device: about 1 for an O_DIRECT 4k hit (qemunbd,
+#   bcachefilter), about 0 for a page-cache hit (filepc, bcachefilter-pc),
+#   and in between for the file plugin's cache=none.  The remote is in
+#   memory and never reads the device.  It counts the whole device, so other
+#   I/O on the host shows up too; "–" if WORKDIR is not on a block device
+#   that can be found (tmpfs, overlay, ...).
 #   Nothing fails because something was slow: the exit status is non-zero
 #   only if the harness itself failed.
 #
 # USAGE
-#   bench/filter-bench.sh                      # everything, ~12 min
+#   bench/filter-bench.sh                      # everything, ~15 min
 #   CONFIGS="remote bcachefilter" WORKLOADS="zipf randrw" bench/filter-bench.sh
-#   SIZE=256M RUNTIME=5 bench/filter-bench.sh  # smoke run, ~3 min
+#   SIZE=256M RUNTIME=5 bench/filter-bench.sh  # smoke run, ~4 min
 #
 # ENVIRONMENT (all optional)
 #   SIZE       working set = export size (default 1G; nbdkit/numfmt suffixes)
 #   RUNTIME    seconds per measured job (default 20)
 #   FILTER_SO  the filter (default /tmp/b-bench/plugin/.libs/
 #              nbdkit-bcachefilter-filter.so).  If it does not exist the
-#              bcachefilter config is skipped with a warning.
+#              bcachefilter and bcachefilter-pc configs are skipped with a
+#              warning.
 #   WORKDIR    where the cache file, the local data file and the sockets go.
 #              Default: a new `mktemp -d /var/tmp/filter-bench.XXXXXX`,
 #              removed at exit.  Must be a real disk filesystem with O_DIRECT
 #              (not tmpfs): the script checks and prints what it is.  Needs
-#              about 4*SIZE free (data file, 2*SIZE cache, cache filter file).
-#   OUTDIR     where fio's JSON, the nbdkit logs and summary.md go (kept).
-#              Default /var/tmp/filter-bench-results.DATE-TIME.
-#   CONFIGS    subset of: remote proxy cachefilter bcachefilter file filepc
-#              (default: all)
+#              about 4*SIZE free (data file, 2*SIZE cache, cache filter file;
+#              bcachefilter and bcachefilter-pc never have a cache file at
+#              the same time).
+#   OUTDIR     where fio's JSON, the front ends' logs and summary.md go
+#              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
+#   CONFIGS    subset of: remote proxy cachefilter bcachefilter
+#              bcachefilter-pc file filepc qemunbd (default: all)
 #   WORKLOADS  subset of: hits zipf randrw seqread (default: all)
 #   REPEAT     runs per (config, workload), the table shows the median
 #              (default 1).  For hits the warm-up is done once.
 #   ZIPF       zipf theta (default 1.2)
 #   WARM_MAX   seconds cap on a warm-up pass (default 180)
 #   BCACHE_ARGS extra bcachefilter parameters, e.g.
-#              "bcache-io=sync" or "bcache-sequential-cutoff=0"
+#              "bcache-io=sync" or "bcache-sequential-cutoff=0" (for both
+#              bcachefilter and bcachefilter-pc)
 #   BCTL       path of bcachefilter-ctl (default /tmp/b-bench/tools/
 #              bcachefilter-ctl).  If it is executable, the filter gets
 #              bcache-ctl=$WORKDIR/ctl.sock and its stats (--json) are saved
-#              after each bcachefilter run, and hits/misses/bypass are shown.
+#              after each bcachefilter(-pc) run, and hits/misses/bypass are
+#              shown.
 #   PERF       "CONFIG:WORKLOAD" (or a space-separated list of them): also
 #              `perf record -g` the front end during that run, into OUTDIR.
 #   PERF_OPTS  perf record options instead of -g, e.g. "--call-graph dwarf"
@@ -92,15 +130,20 @@
 #   KEEP=1     keep WORKDIR.
 #
 # Needs: nbdkit (memory, file, nbd plugins; delay, cache filters), fio with
-# the nbd engine, nbdinfo, nbdcopy, python3.  Every process it starts is
-# stopped at exit, including on SIGINT/SIGTERM/SIGHUP.
+# the nbd engine, nbdinfo, nbdcopy, python3; for the qemunbd config,
+# qemu-nbd (Debian/Ubuntu package qemu-utils) with io_uring support.  Every
+# process it starts is stopped at exit, including on SIGINT/SIGTERM/SIGHUP
+# (nbdkit runs with --exit-with-parent, and qemu-nbd under
+# `setpriv --pdeathsig TERM` when setpriv exists, so that even a SIGKILLed
+# script leaves nothing behind).
 
 set -euo pipefail
 
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-CONFIGS=${CONFIGS:-remote proxy cachefilter bcachefilter file filepc}
+ALL_CONFIGS="remote proxy cachefilter bcachefilter bcachefilter-pc file filepc qemunbd"
+CONFIGS=${CONFIGS:-$ALL_CONFIGS}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
 ZIPF=${ZIPF:-1.2}
@@ -126,19 +169,27 @@ BYTES=$(numfmt --from=iec "${SIZE%B}") || die "bad SIZE=$SIZE"
 CACHE_BYTES=$(( 2 * BYTES ))
 
 for c in $CONFIGS; do
-    case $c in remote|proxy|cachefilter|bcachefilter|file|filepc) ;;
-    *) die "unknown config '$c' (remote proxy cachefilter bcachefilter file filepc)" ;;
-    esac
+    [[ " $ALL_CONFIGS " == *" $c "* ]] ||
+        die "unknown config '$c' ($ALL_CONFIGS)"
 done
 for w in $WORKLOADS; do
     case $w in hits|zipf|randrw|seqread) ;;
     *) die "unknown workload '$w' (hits zipf randrw seqread)" ;;
     esac
 done
-if [[ " $CONFIGS " == *" bcachefilter "* && ! -f $FILTER_SO ]]; then
-    say "WARNING: $FILTER_SO does not exist: skipping the bcachefilter config"
-    CONFIGS=$(echo " $CONFIGS " | sed 's/ bcachefilter / /')
+has_config() { [[ " $CONFIGS " == *" $1 "* ]]; }
+drop_config() {                 # drop_config NAME WHY: skip it, with a warning
+    local c keep=()
+    has_config "$1" || return 0
+    say "WARNING: $2: skipping the $1 config"
+    for c in $CONFIGS; do [[ $c == "$1" ]] || keep+=("$c"); done
+    CONFIGS=${keep[*]}
+}
+if [[ ! -f $FILTER_SO ]]; then
+    drop_config bcachefilter "$FILTER_SO does not exist"
+    drop_config bcachefilter-pc "$FILTER_SO does not exist"
 fi
+command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
 
 # ---- work and output directories, cleanup --------------------------------
 MADE_WORKDIR=0
@@ -198,26 +249,42 @@ trap 'exit 129' HUP
 
 uri() { echo "nbd+unix:///?socket=$1"; }
 
-# start_nbdkit NAME SOCKET ARGS...: start nbdkit in the foreground (as our
-# child), wait until it answers; its pid is left in NBDKIT_PID.
-start_nbdkit() {
+# start_server NAME SOCKET COMMAND...: start an NBD server that stays in the
+# foreground (as our child) and listens on SOCKET, wait until it answers;
+# its pid is left in SERVER_PID (and in PIDS, so that it is stopped at exit).
+start_server() {
     local name=$1 sock=$2 i; shift 2
     rm -f "$sock"
-    echo "nbdkit -f -U $sock $*" >>"$OUTDIR/commands.txt"
-    nbdkit -f --exit-with-parent -U "$sock" "$@" >>"$OUTDIR/$name.log" 2>&1 &
-    NBDKIT_PID=$!
-    PIDS+=("$NBDKIT_PID")
+    echo "$*" >>"$OUTDIR/commands.txt"
+    "$@" >>"$OUTDIR/$name.log" 2>&1 &
+    SERVER_PID=$!
+    PIDS+=("$SERVER_PID")
     for (( i = 0; i < 1200; i++ )); do
-        if ! kill -0 "$NBDKIT_PID" 2>/dev/null; then
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
             tail -20 "$OUTDIR/$name.log" >&2
-            die "nbdkit ($name) exited at startup; log: $OUTDIR/$name.log"
+            die "$name ($1) exited at startup; log: $OUTDIR/$name.log"
         fi
         if [[ -S $sock ]] && nbdinfo --size "$(uri "$sock")" >/dev/null 2>&1; then
             return 0
         fi
         sleep 0.1
     done
-    die "nbdkit ($name) not ready after 120 s; log: $OUTDIR/$name.log"
+    die "$name ($1) not ready after 120 s; log: $OUTDIR/$name.log"
+}
+
+# start_nbdkit NAME SOCKET ARGS...: nbdkit in the foreground, see start_server
+start_nbdkit() {
+    local name=$1 sock=$2; shift 2
+    start_server "$name" "$sock" nbdkit -f --exit-with-parent -U "$sock" "$@"
+}
+
+# start_qemu_nbd NAME SOCKET ARGS...: qemu-nbd (it stays in the foreground
+# without --fork).  It has no --exit-with-parent: setpriv --pdeathsig does
+# that job.  SOCKET must be absolute.
+start_qemu_nbd() {
+    local name=$1 sock=$2 pre=(); shift 2
+    if command -v setpriv >/dev/null; then pre=(setpriv --pdeathsig TERM); fi
+    start_server "$name" "$sock" "${pre[@]}" qemu-nbd -k "$sock" "$@"
 }
 
 # ---- machine --------------------------------------------------------------
@@ -229,6 +296,34 @@ if dd if=/dev/zero of="$WORKDIR/.odirect" bs=4096 count=1 oflag=direct \
       status=none 2>/dev/null; then ODIRECT=yes; else ODIRECT=NO; fi
 rm -f "$WORKDIR/.odirect"
 [[ $ODIRECT == yes ]] || say "WARNING: O_DIRECT does not work in $WORKDIR"
+# The block device holding WORKDIR, for "device reads/IO": by WORKDIR's
+# st_dev first (/sys/dev/block/MAJ:MIN, a partition or a dm device included),
+# then by the mount's source (e.g. btrfs, whose st_dev is anonymous:
+# "/dev/vda2[/@]" -> /sys/class/block/vda2).  Empty if neither is a block
+# device (tmpfs, overlay, ...).
+find_devstat() {
+    local majmin src
+    majmin=$(stat -c '%Hd:%Ld' "$WORKDIR" 2>/dev/null) || majmin=
+    if [[ -n $majmin && -r /sys/dev/block/$majmin/stat ]]; then
+        echo "/sys/dev/block/$majmin/stat"; return 0
+    fi
+    src=$(findmnt -n -o SOURCE --target "$WORKDIR" 2>/dev/null | head -1) || src=
+    src=${src%%\[*}
+    [[ $src == /dev/* && -b $src ]] || return 0
+    src=$(basename "$(readlink -f "$src")")
+    if [[ -r /sys/class/block/$src/stat ]]; then echo "/sys/class/block/$src/stat"; fi
+}
+DEVSTAT=$(find_devstat)
+if [[ -n $DEVSTAT ]]; then
+    DEVNAME=$(basename "$(dirname "$(readlink -f "$DEVSTAT")")")
+    DEVDESC="$DEVNAME ($DEVSTAT)"
+else
+    DEVDESC="not found: the device reads/IO column shows –"
+fi
+dev_reads() {                   # reads completed by WORKDIR's device, or ""
+    if [[ -n $DEVSTAT ]]; then awk '{ print $1 }' "$DEVSTAT"; fi
+}
+
 AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
 (( AVAIL > 4 * BYTES + (1 << 30) )) ||
     die "WORKDIR needs ~4*SIZE free, has $(numfmt --to=iec "$AVAIL")"
@@ -239,7 +334,11 @@ AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
     echo "host:      nproc=$(nproc), $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), RAM $(free -g | awk '/^Mem/ {print $2}') GiB"
     echo "kernel:    $(uname -srm)"
     echo "workdir:   $WORKDIR on $FSDEV ($FSTYPE), O_DIRECT $ODIRECT"
+    echo "device:    $DEVDESC"
     echo "software:  $(nbdkit --version), $(fio --version), $(nbdinfo --version 2>/dev/null | head -1)"
+    if has_config qemunbd; then
+        echo "qemu-nbd:  $(qemu-nbd --version | head -1)"
+    fi
     if [[ -f $FILTER_SO ]]; then
         echo "filter:    $FILTER_SO ($(stat -c '%y' "$FILTER_SO" | cut -d. -f1))"
     fi
@@ -265,13 +364,13 @@ RESULTS=$OUTDIR/results.tsv     # config workload rep json
 start_remote() {
     start_nbdkit remote "$RSOCK" --filter=delay memory size="$BYTES" \
         delay-read=1ms delay-write=1ms
-    REMOTE_PID=$NBDKIT_PID
+    REMOTE_PID=$SERVER_PID
     nbdcopy "$DATA" "$(uri "$RSOCK")"
 }
 
 # start_front CONFIG FRESH: the front end for CONFIG on FSOCK (or the remote
-# itself); FRESH=1 gives bcachefilter a new cache file.  Sets FRONT_SOCK and
-# FRONT_PID (empty for "remote").
+# itself); FRESH=1 gives bcachefilter(-pc) a new cache file.  Sets FRONT_SOCK
+# and FRONT_PID (empty for "remote").
 start_front() {
     local cfg=$1 fresh=$2
     FRONT_PID=
@@ -283,26 +382,33 @@ start_front() {
     cachefilter)
         TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
             nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
-    bcachefilter)
+    bcachefilter|bcachefilter-pc)
+        # the two never run at the same time: each gets a new file at $CACHE
         if [[ $fresh == 1 ]]; then rm -f "$CACHE"; fi
-        local ctl=()
+        local ctl=() pc=()
         if [[ -x $BCTL ]]; then ctl=(bcache-ctl="$CTLSOCK"); fi
+        if [[ $cfg == bcachefilter-pc ]]; then pc=(bcache-direct=false); fi
         # shellcheck disable=SC2086
         start_nbdkit "$cfg" "$FSOCK" --filter="$FILTER_SO" \
             nbd socket="$RSOCK" bcache="$CACHE" bcache-size="$CACHE_BYTES" \
-            "${ctl[@]}" $BCACHE_ARGS ;;
+            "${ctl[@]}" "${pc[@]}" $BCACHE_ARGS ;;
     file)
         start_nbdkit "$cfg" "$FSOCK" file "$DATA" cache=none ;;
     filepc)
         start_nbdkit "$cfg" "$FSOCK" file "$DATA" ;;
+    qemunbd)
+        start_qemu_nbd "$cfg" "$FSOCK" -f raw --persistent --shared=$IODEPTH \
+            --cache=none --aio=io_uring "$DATA" ;;
     esac
-    [[ $cfg == remote ]] || FRONT_PID=$NBDKIT_PID
+    [[ $cfg == remote ]] || FRONT_PID=$SERVER_PID
 }
 
 stop_front() {
     if [[ -n $FRONT_PID ]]; then stop_pid "$FRONT_PID" 60; fi
     FRONT_PID=
 }
+
+is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc ]]; }
 
 bctl_stats() {                  # bctl_stats FILE: save bcachefilter's stats
     [[ -x $BCTL && -S $CTLSOCK ]] || return 0
@@ -355,16 +461,18 @@ measure() {                     # measure CONFIG WORKLOAD REP
         perf_pid=$!
         PIDS+=("$perf_pid")
     fi
-    local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1
-    c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID")
+    local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1 d0 d1 dreads=
+    c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID"); d0=$(dev_reads)
     # shellcheck disable=SC2046
     run_fio "$wl" "$json" $(workload_args "$wl")
-    c1=$(cpu_ticks "$cpid"); r1=$(cpu_ticks "$REMOTE_PID")
+    c1=$(cpu_ticks "$cpid"); r1=$(cpu_ticks "$REMOTE_PID"); d1=$(dev_reads)
+    if [[ -n $d0 && -n $d1 ]]; then dreads=$(( d1 - d0 )); fi
     # CPU seconds of the front end (the remote itself for "remote") and of
-    # the remote over the job (no fio job has a ramp)
-    load="$load	$(( (c1 - c0) * 1000 / CLK_TCK ))	$(( (r1 - r0) * 1000 / CLK_TCK ))"
+    # the remote over the job (no fio job has a ramp), and the reads
+    # completed by WORKDIR's device over the job
+    load="$load	$(( (c1 - c0) * 1000 / CLK_TCK ))	$(( (r1 - r0) * 1000 / CLK_TCK ))	$dreads"
     if [[ -n $perf_pid ]]; then stop_pid "$perf_pid" 30; fi
-    if [[ $cfg == bcachefilter ]]; then bctl_stats "$OUTDIR/$cfg.$wl.$rep.stats.json"; fi
+    if is_bcache "$cfg"; then bctl_stats "$OUTDIR/$cfg.$wl.$rep.stats.json"; fi
     printf '%s\t%s\t%s\t%s\t%s\n' "$cfg" "$wl" "$rep" "$json" "$load" >>"$RESULTS"
 }
 
@@ -372,7 +480,7 @@ warm() {                        # warm CONFIG: every 4 KiB block once, random
     local cfg=$1 json=$OUTDIR/$1.warm.json
     say "  $cfg warm-up: 4k random reads of all $(numfmt --to=iec "$BYTES") (cap ${WARM_MAX}s)"
     run_fio warm "$json" --rw=randread --bs=4k --runtime="$WARM_MAX"
-    if [[ $cfg == bcachefilter ]]; then bctl_stats "$OUTDIR/$cfg.warm.stats.json"; fi
+    if is_bcache "$cfg"; then bctl_stats "$OUTDIR/$cfg.warm.stats.json"; fi
     python3 - "$json" "$BYTES" <<'EOF' >&2
 import json, sys
 j = json.load(open(sys.argv[1]))["jobs"][0]["read"]
@@ -388,7 +496,7 @@ EOF
 # One remote serves the whole run: it holds no state that matters here.
 T0=$SECONDS
 REMOTE_PID=
-if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter)\  ]]; then
+if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter|bcachefilter-pc)\  ]]; then
     say "remote: nbdkit memory plugin behind the delay filter, filling it"
     start_remote
 fi
@@ -397,7 +505,10 @@ for wl in $WORKLOADS; do
     if [[ $wl == hits ]]; then
         for cfg in $CONFIGS; do
             start_front "$cfg" 1
-            if [[ $cfg == cachefilter || $cfg == bcachefilter ]]; then warm "$cfg"; fi
+            if [[ $cfg == cachefilter ]] || is_bcache "$cfg"; then warm "$cfg"; fi
+            # the file plugin's cache=none run evicts pages of DATA: put it
+            # all back, so that the page-cache ceiling starts warm too
+            if [[ $cfg == filepc ]]; then cat "$DATA" >/dev/null; fi
             for (( r = 1; r <= REPEAT; r++ )); do measure "$cfg" "$wl" "$r"; done
             stop_front
         done
@@ -436,11 +547,12 @@ runs = defaultdict(list)
 allruns = []
 order_c, order_w = [], []
 for line in open(results):
-    c, w, rep, path, la, fcpu, rcpu = line.rstrip("\n").split("\t")
+    c, w, rep, path, la, fcpu, rcpu, dreads = line.rstrip("\n").split("\t")
     runs[c, w].append(load(path))
     j = json.load(open(path))["jobs"][0]
     ios = j["read"]["total_ios"] + j["write"]["total_ios"]
     runs[c, w][-1]["cpu_us"] = int(fcpu) * 1000 / ios if ios else 0
+    runs[c, w][-1]["dev_per_io"] = int(dreads) / ios if dreads and ios else None
     allruns.append((c, w, rep, runs[c, w][-1], la))
     if c not in order_c: order_c.append(c)
     if w not in order_w: order_w.append(w)
@@ -474,33 +586,42 @@ for c in order_c:
 if repeat > 1:
     print(f"\n(median of {repeat} runs each)")
 
-targets = [("hits",   "riops", "file",   0.90, "4k hit IOPS vs the file plugin, cache=none (ceiling)"),
-           ("hits",   "riops", "filepc", 0.90, "4k hit IOPS vs the file plugin, page cache (reference)"),
-           ("zipf",   "riops", "remote", 0.95, "cold zipf IOPS vs the remote alone"),
-           ("randrw", "iops",  "remote", 0.95, "70/30 total IOPS vs the remote alone"),
-           ("randrw", "riops", "remote", 0.95, "70/30 read IOPS vs the remote alone"),
-           ("seqread","mibs",  "proxy",  0.95, "1M seq read MiB/s vs the pass-through proxy")]
+# (workload, figure, config in the "bcachefilter" column, baseline, target,
+# label); the cache filter column is always cachefilter / baseline
+targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS vs the file plugin, cache=none (ceiling)"),
+           ("hits",   "riops", "bcachefilter",    "filepc",  0.90, "4k hit IOPS vs the file plugin, page cache (reference)"),
+           ("hits",   "riops", "bcachefilter",    "qemunbd", 0.90, "4k hit IOPS vs qemu-nbd cache=none (true O_DIRECT ceiling)"),
+           ("hits",   "riops", "bcachefilter-pc", "filepc",  0.90, "4k hit IOPS, bcache-direct=false vs the file plugin, page cache"),
+           ("zipf",   "riops", "bcachefilter",    "remote",  0.95, "cold zipf IOPS vs the remote alone"),
+           ("randrw", "iops",  "bcachefilter",    "remote",  0.95, "70/30 total IOPS vs the remote alone"),
+           ("randrw", "riops", "bcachefilter",    "remote",  0.95, "70/30 read IOPS vs the remote alone"),
+           ("seqread","mibs",  "bcachefilter",    "proxy",   0.95, "1M seq read MiB/s vs the pass-through proxy")]
 print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
 print("|---|---:|---:|---:|")
-for w, k, base, tgt, what in targets:
+for w, k, bc, base, tgt, what in targets:
     b = med(base, w, k)
     cells = []
-    for c in ("bcachefilter", "cachefilter"):
+    for c in (bc, "cachefilter"):
         x = med(c, w, k)
         if x is None or not b: cells.append("–")
         else:
             r = x / b
-            cells.append(f"{r:.2f}" + ((" ✔" if r >= tgt else " ✘") if c == "bcachefilter" else ""))
+            cells.append(f"{r:.2f}" + ((" ✔" if r >= tgt else " ✘") if c == bc else ""))
     print(f"| {what} | ≥ {tgt:.2f} | " + " | ".join(cells) + " |")
 
-print("\nEvery run. Front-end CPU: user+system CPU time of the front-end nbdkit "
-      "(the remote's own for \"remote\") over the job, per I/O. "
+print("\nEvery run. Front-end CPU: user+system CPU time of the front-end process "
+      "(nbdkit, or qemu-nbd; the remote's own for \"remote\") over the job, per I/O. "
+      "Device reads/IO: reads completed by the block device holding WORKDIR over "
+      "the job, per fio I/O (about 1 for a 4k hit that really reads the device, "
+      "about 0 for one served by the page cache; the whole device is counted). "
       f"Load average: 1 min, when the run started, on {os.cpu_count()} CPUs.\n")
-print("| config | workload | run | read IOPS | write IOPS | MiB/s | read p50 ms | read p99 ms | front-end CPU µs/IO | load avg |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| config | workload | run | read IOPS | write IOPS | MiB/s | read p50 ms | read p99 ms "
+      "| front-end CPU µs/IO | device reads/IO | load avg |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for c, w, rep, r, la in allruns:
+    dev = "–" if r["dev_per_io"] is None else f"{r['dev_per_io']:.2f}"
     print(f"| {c} | {w} | {rep} | {r['riops']:.0f} | {r['wiops']:.0f} | {r['mibs']:.1f} "
-          f"| {r['rp50']:.2f} | {r['rp99']:.2f} | {r['cpu_us']:.0f} | {la} |")
+          f"| {r['rp50']:.2f} | {r['rp99']:.2f} | {r['cpu_us']:.0f} | {dev} | {la} |")
 
 stats = [f for f in sorted(os.listdir(outdir)) if f.endswith(".stats.json")]
 if stats:
@@ -513,12 +634,12 @@ if stats:
             return json.load(open(os.path.join(outdir, f)))
         except Exception as e:
             return {"error": str(e)}
-    warm = get("bcachefilter.warm.stats.json") if "bcachefilter.warm.stats.json" in stats else {}
     print("| run | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     for f in stats:
         s = get(f)
-        base = warm if ".hits." in f else {}
+        warm = f.split(".")[0] + ".warm.stats.json"  # that config's warm-up
+        base = get(warm) if ".hits." in f and warm in stats else {}
         cells = []
         for k in keys:
             v = s.get(k)
