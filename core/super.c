@@ -83,9 +83,9 @@ set_geometry (struct bcf_cache *c)
  * btrfs keeps its superblock at 64 KiB, md and GPT keep copies at the
  * end.  Look at the first and the last MiB. */
 static bool
-edges_zero (struct bcf_cache *c)
+edges_zero (struct bcf_io *io)
 {
-  const uint64_t size = bcf_io_size (c->io);
+  const uint64_t size = bcf_io_size (io);
   const size_t span = 1 << 20;
   uint8_t *buf = bcf_buf_alloc (span);
   bool zero = buf != NULL;
@@ -93,11 +93,49 @@ edges_zero (struct bcf_cache *c)
   for (int i = 0; i < 2 && zero; i++) {
     uint64_t off = i == 0 ? 0 : size > span ? size - span : 0;
     size_t len = size < span ? (size_t) size / 4096 * 4096 : span;
-    zero = bcf_io_pread (c->io, buf, len, off) == 0 && bch_is_zero (buf, len);
+    zero = bcf_io_pread (io, buf, len, off) == 0 && bch_is_zero (buf, len);
   }
   if (buf)
     bcf_buf_free (buf, span);
   return zero;
+}
+
+/* The one definition of a blank device (format policy auto formats it):
+ * the superblock area (head, the first 8 KiB, already read) and the
+ * edges are all zero. */
+static bool
+device_blank (struct bcf_io *io, const uint8_t *head)
+{
+  return bch_is_zero (head, 2 * BCH_SB_AREA_SIZE) && edges_zero (io);
+}
+
+int
+bcf_device_blank (const char *path, bool *blank, char *err, size_t errlen)
+{
+  struct bcf_io_opts o = { .path = path, .readonly = true };
+  struct bcf_io *io;
+  uint8_t *buf = NULL;
+  int r;
+
+  *blank = false;
+  if ((r = bcf_io_open (&o, &io, err, errlen)) < 0)
+    return r;
+  if (bcf_io_size (io) < 2 * BCH_SB_AREA_SIZE)
+    goto out;                           /* too small: not blank, not a cache */
+  if (!(buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE))) {
+    r = -ENOMEM;
+    goto out;
+  }
+  r = bcf_io_pread (io, buf, 2 * BCH_SB_AREA_SIZE, 0);
+  if (r < 0)
+    snprintf (err, errlen, "reading the superblock of %s: %s", path,
+              strerror (-r));
+  else
+    *blank = device_blank (io, buf);
+  bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
+ out:
+  bcf_io_close (io);
+  return r;
 }
 
 static int
@@ -516,7 +554,7 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
     return r;
   }
-  blank = bch_is_zero (buf, 2 * BCH_SB_AREA_SIZE) && edges_zero (c);
+  blank = device_blank (c->io, buf);
   st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &c->sb, &d);
   if (st == BCH_OK)
     st = bch_sb_validate (&c->sb, dev_sectors, &d);

@@ -521,6 +521,23 @@ probe_cache_device (void)
   if (cfg.format == BCF_FORMAT_FORCE)
     return check_format_size (size, cfg.path);
   if (bch_is_zero (buf, sizeof buf)) {
+    char err[512] = "";
+    bool blank;
+
+    /* The engine's definition of blank (its edges too), so that what
+     * passes here is what .after_fork's open will format. */
+    if (bcf_device_blank (cfg.path, &blank, err, sizeof err) < 0) {
+      nbdkit_error ("bcache=%s: %s", cfg.path, err);
+      return -1;
+    }
+    if (!blank) {
+      nbdkit_error ("bcache=%s starts with zeros but is not blank: there "
+                    "is data in its first or last MiB (a filesystem, RAID "
+                    "or partition table signature?); refusing to overwrite "
+                    "it.  If it really is meant to be a cache, add "
+                    "bcache-format=force (this destroys it)", cfg.path);
+      return -1;
+    }
     if (cfg.format == BCF_FORMAT_NEVER) {
       nbdkit_error ("bcache=%s is blank, not a cache, and bcache-format=never "
                     "forbids formatting it", cfg.path);

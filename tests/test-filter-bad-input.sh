@@ -5,8 +5,9 @@
 #  1. Bad parameters: each makes nbdkit refuse to start with a message
 #     naming the parameter, and creates no cache file.
 #  2. Undersized cache (1 MiB): refused, saying why.
-#  3. Foreign data (random bytes; an ext4 file system) and a blank file
-#     with bcache-format=never: refused, the file untouched; with
+#  3. Foreign data (random bytes; an ext4 file system; zeros with a btrfs
+#     signature at 64 KiB) and a blank file with bcache-format=never:
+#     refused, the file untouched; with
 #     bcache-format=force it is formatted and serves the right data.
 #  4. A corrupt cache (a flipped superblock byte; a zeroed journal; a
 #     truncated file), made from a real cache holding data: refused with a
@@ -135,6 +136,16 @@ if mkfs.ext4 -V >/dev/null 2>&1; then
         bcache="$d/ext4"
     unchanged "$d/ext4" "$sum" "ext4"
 fi
+
+# Zeros where a cache's superblock goes, but a btrfs signature at 64 KiB:
+# not blank (the engine's rule: the first and last MiB too), so refused
+# before nbdkit forks, saying why, and left alone.
+truncate -s 64M "$d/sig64k"
+printf '_BHRfS_M' |
+    dd of="$d/sig64k" bs=1 seek=$((65536 + 64)) conv=notrunc status=none
+sum="$(md5sum < "$d/sig64k")"
+refuse sig64k 'starts with zeros but is not blank' bcache="$d/sig64k"
+unchanged "$d/sig64k" "$sum" "a btrfs signature at 64 KiB"
 
 truncate -s 64M "$d/blank"
 refuse never 'bcache-format|never|not formatted|not a bcache' \

@@ -102,6 +102,14 @@ int bcf_cache_abandon (struct bcf_cache *c);
 int bcf_cache_start_threads (struct bcf_cache *c);
 void bcf_cache_stop_threads (struct bcf_cache *c);
 
+/* Would bcf_cache_open with BCF_FORMAT_AUTO see the device at path as
+ * blank, and format it?  Blank means all zero in the superblock area and
+ * in the first and last MiB (where other signatures live: btrfs at 64
+ * KiB, md and GPT copies at the end).  Opens the device read-only.
+ * Returns 0 and sets *blank, or -errno with a message in err. */
+int bcf_device_blank (const char *path, bool *blank, char *err,
+                      size_t errlen);
+
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
 /* The export an opened cache holds, as its uuid entry recorded it at
  * open (uuid and size in bytes); false for a cache that holds none yet.
