@@ -693,6 +693,8 @@ alloc_prio_write (struct bcf_cache *c)
     a->nprio = (unsigned) nprio;
     pthread_mutex_unlock (&a->lock);
 
+    if (c->test_prio_hook)
+      c->test_prio_hook (c, c->test_prio_hook_opaque);
     r = journal_meta (c);
     if (r == 0) {
       pthread_mutex_lock (&a->lock);

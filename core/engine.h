@@ -394,6 +394,12 @@ struct bcf_cache {
   void (*test_read_hook) (struct bcf_cache *c, const struct bcf_extent *e,
                           void *opaque);
   void *test_read_hook_opaque;
+  /* Test hook (NULL in production): called by alloc_prio_write after it
+   * published a new prio chain and before the metadata commit, the
+   * window in which any ordinary journal entry already names the new
+   * chain. */
+  void (*test_prio_hook) (struct bcf_cache *c, void *opaque);
+  void *test_prio_hook_opaque;
 
   /* Background threads. */
   bool threads_running;

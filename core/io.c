@@ -1393,6 +1393,15 @@ bcf_io_set_faults (struct bcf_io *io, const struct bcf_io_faults *f)
   }
 }
 
+void
+bcf_io_test_power_cut (struct bcf_io *io, uint64_t n)
+{
+  /* fault_writes counts only while a power cut is set. */
+  if (io->faults.power_cut_after_write == 0)
+    atomic_store (&io->fault_writes, 0);
+  io->faults.power_cut_after_write = atomic_load (&io->fault_writes) + n;
+}
+
 /* splitmix64: a seedable generator that needs no state but the seed. */
 static uint64_t
 crash_rand (uint64_t *state)

@@ -26,6 +26,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -574,6 +575,83 @@ START_TEST (test_gen_reuse_crash)
 }
 END_TEST
 
+/* ---- a journal entry written while a new prio chain is unflushed ----------- */
+
+/* Every journal entry names the head of the prio chain.  alloc_prio_write
+ * writes the new chain, publishes it, then commits it with a metadata
+ * entry.  An ordinary entry written in between (another thread's FLUSH or
+ * durable invalidation) names the new chain too, and an entry of
+ * whiteouts does not flush the device first.  So the new prio buckets
+ * must be durable before they are published; otherwise a power cut after
+ * that entry's write can keep the entry and lose the buckets, and the
+ * cache no longer opens.  The hook is that other thread: it writes an
+ * ordinary entry (a pending whiteout) in the window, and the power goes
+ * as soon as the entry is written.  Random crash choices, several seeds. */
+static void
+prio_window_entry (struct bcf_cache *c, void *opaque)
+{
+  bcf_io_test_power_cut (bcf_cache_test_io (c), 1);
+  (void) bcf_cache_journal_write (c);   /* its flush fails: power is gone */
+}
+
+static void
+prio_publish_crash (uint64_t cseed)
+{
+  struct run r;
+  struct bcf_io_faults f = { 0 };
+  int e;
+
+  run_init (&r, "prio.img", 4u << 20, 16);
+  for (uint64_t blk = 0; blk < 64; blk++) {
+    fill (r.buf, BLOCK);
+    ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, blk * BLOCK,
+                                       false), 0);
+    memcpy (r.m.shadow + blk * BLOCK, r.buf, BLOCK);
+    ck_assert_int_eq (bcf_insert (r.c, blk * BLOCK, BLOCK, r.buf, false, true),
+                      0);
+  }
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+  /* A whiteout waits in the open entry (block 0 is cached: journalled). */
+  ck_assert_int_eq (bcf_invalidate (r.c, 0, BLOCK, false), 0);
+  r.c->test_prio_hook = prio_window_entry;
+  pthread_mutex_lock (&r.c->ckpt_lock);
+  e = alloc_prio_write (r.c);
+  pthread_mutex_unlock (&r.c->ckpt_lock);
+  ck_assert_msg (e < 0, "seed %u: the prio write survived a power cut", seed);
+
+  bcf_cache_test_crash (r.c, cseed, BCF_IO_CRASH_RANDOM);
+  r.c = NULL;
+  r.opts.format = BCF_FORMAT_NEVER;
+  {
+    char err[512] = "";
+    e = bcf_cache_open (&r.opts, &r.c, err, sizeof err);
+    ck_assert_msg (e == 0, "crash seed %" PRIu64 ": the cache does not open "
+                   "after a power cut behind a journal entry that names an "
+                   "unflushed prio chain: %s", cseed, err);
+  }
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  for (uint64_t blk = 0; blk < 64; blk++) {
+    struct bcf_extent x;
+    unsigned n;
+
+    ck_assert_int_eq (bcf_lookup (r.c, blk * BLOCK, BLOCK, &x, 1, &n), 0);
+    if (x.kind == BCF_EXTENT_HIT) {
+      ck_assert_int_eq (bcf_read_hit (r.c, &x, r.buf), 0);
+      ck_assert_msg (memcmp (r.buf, r.m.shadow + blk * BLOCK, BLOCK) == 0,
+                     "crash seed %" PRIu64 ": block %" PRIu64 " differs from "
+                     "the backing store", cseed, blk);
+    }
+  }
+  run_free (&r);
+}
+
+START_TEST (test_prio_publish_crash)
+{
+  for (uint64_t k = 0; k < 16; k++)
+    prio_publish_crash (seed * 16 + k);
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -598,6 +676,7 @@ main (void)
   add (s, "crash_fills", test_crash_fills);
   add (s, "crash_eviction", test_crash_eviction);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
+  add (s, "prio_publish_crash", test_prio_publish_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
