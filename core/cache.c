@@ -317,18 +317,32 @@ insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
 /* Device I/O from / to a caller's buffer, which need not be aligned as
  * O_DIRECT requires: misaligned buffers go through an aligned bounce
  * buffer. */
+
+/* The len bytes at data, aligned for the device: data itself, or a
+ * pooled copy left in *bounce (free it with bcf_buf_free (*bounce, len);
+ * NULL when no copy was needed).  NULL if the copy cannot be made. */
+static const void *
+aligned_source (const void *data, size_t len, void **bounce)
+{
+  *bounce = NULL;
+  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
+    return data;
+  if (!(*bounce = bcf_buf_alloc (len)))
+    return NULL;
+  memcpy (*bounce, data, len);
+  return *bounce;
+}
+
 static int
 dev_write (struct bcf_cache *c, const void *data, size_t len, uint64_t off)
 {
   void *b;
+  const void *src = aligned_source (data, len, &b);
   int r;
 
-  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
-    return bcf_io_pwrite (c->io, data, len, off);
-  if (!(b = bcf_buf_alloc (len)))
+  if (!src)
     return -ENOMEM;
-  memcpy (b, data, len);
-  r = bcf_io_pwrite (c->io, b, len, off);
+  r = bcf_io_pwrite (c->io, src, len, off);
   bcf_buf_free (b, len);
   return r;
 }
@@ -609,17 +623,11 @@ bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
   for (unsigned i = 0; i < n; i++) {
     const uint64_t s = ms[i]->offset >> BCH_SECTOR_SHIFT;
     const uint64_t e = (ms[i]->offset + ms[i]->len) >> BCH_SECTOR_SHIFT;
-    const uint8_t *src = data[i];
+    const uint8_t *src = aligned_source (data[i], ms[i]->len, &bounce[i]);
     const size_t first = k;
 
-    if ((uintptr_t) src % BCF_BUF_ALIGN) {
-      if (!(bounce[i] = bcf_buf_alloc (ms[i]->len)))
-        res[i] = -ENOMEM;
-      else {
-        memcpy (bounce[i], src, ms[i]->len);
-        src = bounce[i];
-      }
-    }
+    if (!src)
+      res[i] = -ENOMEM;
     for (uint64_t p = s; p < e && res[i] == 0; p += chunk) {
       uint64_t pe = p + chunk < e ? p + chunk : e;
 
@@ -686,8 +694,7 @@ bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
  out:
   if (bounce)
     for (unsigned i = 0; i < n; i++)
-      if (bounce[i])
-        bcf_buf_free (bounce[i], ms[i]->len);
+      bcf_buf_free (bounce[i], ms[i]->len);
   free (bounce);
   free (segs);
   free (ch);

@@ -435,7 +435,6 @@ ring_check_ops (struct io_uring *ring)
   return ok < 0 ? ok : 0;
 }
 
-
 static struct io_uring *
 ring_create (int *errp)
 {

@@ -108,6 +108,7 @@
 
 #include "bcachefilter/request.h"
 #include "bypass.h"
+#include "io.h"
 #include "seqdetect.h"
 
 #define PLAN_EXTENTS 16
@@ -125,7 +126,7 @@ struct fill {
   struct bcf_miss m;
   uint64_t seq;                 /* enqueue order, for drain */
   uint64_t queued_ns;           /* CLOCK_MONOTONIC at enqueue */
-  void *data;                   /* m.len bytes, 4 KiB aligned */
+  void *data;                   /* m.len bytes, from bcf_buf_alloc */
 };
 
 struct bcf_req {
@@ -209,7 +210,7 @@ fill_result (struct bcf_req *r, int rc)
 static void
 free_fill (struct fill *f)
 {
-  free (f->data);
+  bcf_buf_free (f->data, f->m.len);
   free (f);
 }
 
@@ -284,7 +285,7 @@ fill_worker (void *arg)
   pthread_mutex_lock (&r->fill_lock);
   for (;;) {
     struct fill *batch = r->fill_head, *last;
-    uint64_t bytes, now;
+    uint64_t bytes;
     unsigned n;
 
     if (!batch) {
@@ -294,7 +295,7 @@ fill_worker (void *arg)
       continue;
     }
     if (!batch_ready (r) &&
-        (now = monotonic_ns ()) < batch->queued_ns + FILL_LINGER_NS) {
+        monotonic_ns () < batch->queued_ns + FILL_LINGER_NS) {
       struct timespec until = ns_to_timespec (batch->queued_ns +
                                               FILL_LINGER_NS);
       pthread_cond_timedwait (&r->fill_work, &r->fill_lock, &until);
@@ -338,8 +339,10 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
   void *copy = NULL;
   bool queued = false;
 
+  /* The copy comes from the engine's aligned buffer pool: aligned for the
+   * device, so bcf_miss_fill_many writes it without a bounce. */
   if (m->len <= FILL_QUEUE_BYTES && (f = malloc (sizeof *f)) &&
-      posix_memalign (&copy, 4096, m->len) == 0) {
+      (copy = bcf_buf_alloc (m->len))) {
     memcpy (copy, data, m->len);
     f->m = *m;
     f->data = copy;
@@ -364,10 +367,10 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
   if (!queued) {
     atomic_fetch_add (&r->fills_dropped, 1);
     bcf_miss_cancel (r->c, m);
-    if (f)
+    if (f && copy)
       free_fill (f);
     else
-      free (copy);
+      free (f);
   }
 }
 
