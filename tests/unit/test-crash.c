@@ -143,6 +143,39 @@ mark (struct run *r, uint64_t blk, uint64_t nb, bool cached)
   }
 }
 
+/* New random data for blocks [blk, blk + nb): written to the backing
+ * store and the shadow, and left in r->buf. */
+static void
+backing_write_random (struct run *r, uint64_t blk, uint64_t nb)
+{
+  fill (r->buf, nb * BLOCK);
+  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
+                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
+                                      false), 0);
+  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+}
+
+/* Every hit, anywhere, reads the backing store's bytes (I2).  what names
+ * the case in the failure message. */
+static void
+check_hits_equal_backing (struct run *r, const char *what)
+{
+  for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
+    struct bcf_extent es[80];
+    unsigned n;
+
+    ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
+                      0);
+    for (unsigned i = 0; i < n; i++)
+      if (es[i].kind == BCF_EXTENT_HIT) {
+        ck_assert_int_eq (bcf_read_hit (r->c, &es[i], r->buf), 0);
+        ck_assert_msg (memcmp (r->buf, r->m.shadow + es[i].offset, es[i].len)
+                       == 0, "%s: cached blocks at %" PRIu64 " differ from "
+                       "the backing store", what, es[i].offset);
+      }
+  }
+}
+
 /* ---- workload steps; each returns false once the "machine" died ---------- */
 
 /* A writethrough write, in DESIGN.md's order: invalidate durably (where
@@ -155,11 +188,7 @@ step_insert (struct run *r, uint64_t blk, uint64_t nb)
   mark (r, blk, nb, false);
   if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
     return false;
-  fill (r->buf, nb * BLOCK);
-  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
-                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
-                                      false), 0);
-  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+  backing_write_random (r, blk, nb);
   if (bcf_insert (r->c, blk * BLOCK, nb * BLOCK, r->buf, false, false) != 0)
     return false;
   mark (r, blk, nb, true);
@@ -172,11 +201,7 @@ step_bypass (struct run *r, uint64_t blk, uint64_t nb)
   mark (r, blk, nb, false);
   if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
     return false;
-  fill (r->buf, nb * BLOCK);
-  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
-                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
-                                      false), 0);
-  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+  backing_write_random (r, blk, nb);
   return true;
 }
 
@@ -499,9 +524,7 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
   run_init_policy (&r, "reuse.img", 2u << 20, 16, BCH_REPLACEMENT_FIFO);
   bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
 
-  fill (r.buf, BLOCK);
-  ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, 0, false), 0);
-  memcpy (r.m.shadow, r.buf, BLOCK);
+  backing_write_random (&r, 0, 1);
   ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
   ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &ex, 1, &n), 0);
   ck_assert_int_eq (ex.kind, BCF_EXTENT_HIT);
@@ -511,10 +534,7 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
 
   for (unsigned i = 0; i < 20000 && !reused; i++) {
     y = 1 + i % (NBLOCKS - 1);
-    fill (r.buf, BLOCK);
-    ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, y * BLOCK,
-                                       false), 0);
-    memcpy (r.m.shadow + y * BLOCK, r.buf, BLOCK);
+    backing_write_random (&r, y, 1);
     ck_assert_int_eq (bcf_insert (r.c, y * BLOCK, BLOCK, r.buf, false, false),
                       0);
     ck_assert_int_eq (bcf_lookup (r.c, y * BLOCK, BLOCK, &e, 1, &n), 0);
@@ -549,17 +569,10 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
   ck_assert_int_eq (bcf_read_hit (r.c, &e, r.buf), 0);
   ck_assert (memcmp (r.buf, r.m.shadow + y * BLOCK, BLOCK) == 0);
   /* And every other hit equals the backing store. */
-  for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
-    struct bcf_extent es[80];
-    ck_assert_int_eq (bcf_lookup (r.c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
-                      0);
-    for (unsigned i = 0; i < n; i++)
-      if (es[i].kind == BCF_EXTENT_HIT) {
-        ck_assert_int_eq (bcf_read_hit (r.c, &es[i], r.buf), 0);
-        ck_assert_msg (memcmp (r.buf, r.m.shadow + es[i].offset, es[i].len)
-                       == 0, "seed %u: cached blocks at %" PRIu64 " differ "
-                       "from the backing store", seed, es[i].offset);
-      }
+  {
+    char what[64];
+    snprintf (what, sizeof what, "seed %u crash mode %d", seed, mode);
+    check_hits_equal_backing (&r, what);
   }
   run_free (&r);
 }
@@ -603,10 +616,7 @@ prio_publish_crash (uint64_t cseed)
 
   run_init (&r, "prio.img", 4u << 20, 16);
   for (uint64_t blk = 0; blk < 64; blk++) {
-    fill (r.buf, BLOCK);
-    ck_assert_int_eq (r.b.ops->pwrite (r.b.opaque, r.buf, BLOCK, blk * BLOCK,
-                                       false), 0);
-    memcpy (r.m.shadow + blk * BLOCK, r.buf, BLOCK);
+    backing_write_random (&r, blk, 1);
     ck_assert_int_eq (bcf_insert (r.c, blk * BLOCK, BLOCK, r.buf, false, true),
                       0);
   }
@@ -630,17 +640,10 @@ prio_publish_crash (uint64_t cseed)
                    "unflushed prio chain: %s", cseed, err);
   }
   ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
-  for (uint64_t blk = 0; blk < 64; blk++) {
-    struct bcf_extent x;
-    unsigned n;
-
-    ck_assert_int_eq (bcf_lookup (r.c, blk * BLOCK, BLOCK, &x, 1, &n), 0);
-    if (x.kind == BCF_EXTENT_HIT) {
-      ck_assert_int_eq (bcf_read_hit (r.c, &x, r.buf), 0);
-      ck_assert_msg (memcmp (r.buf, r.m.shadow + blk * BLOCK, BLOCK) == 0,
-                     "crash seed %" PRIu64 ": block %" PRIu64 " differs from "
-                     "the backing store", cseed, blk);
-    }
+  {
+    char what[64];
+    snprintf (what, sizeof what, "crash seed %" PRIu64, cseed);
+    check_hits_equal_backing (&r, what);
   }
   run_free (&r);
 }

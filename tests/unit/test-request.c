@@ -114,15 +114,15 @@ pattern (uint8_t *buf, size_t len, uint8_t v)
   memset (buf, v, len);
 }
 
-/* Is [off, off+len) served from the cache, all of it? */
+/* Is [off, off+len) served from the cache, all of it, right now (with
+ * no wait for queued fills)? */
 static bool
-cached (struct fx *f, uint64_t off, uint64_t len)
+cached_no_drain (struct fx *f, uint64_t off, uint64_t len)
 {
   struct bcf_extent e[64];
   unsigned n;
   uint64_t covered = 0;
 
-  bcf_req_drain (f->r);         /* fills run in the background */
   ck_assert_int_eq (bcf_lookup (f->c, off, len, e, 64, &n), 0);
   for (unsigned i = 0; i < n; i++) {
     if (e[i].kind != BCF_EXTENT_HIT)
@@ -130,6 +130,15 @@ cached (struct fx *f, uint64_t off, uint64_t len)
     covered += e[i].len;
   }
   return covered == len;
+}
+
+/* The same once every fill queued so far has run (fills run in the
+ * background). */
+static bool
+cached (struct fx *f, uint64_t off, uint64_t len)
+{
+  bcf_req_drain (f->r);
+  return cached_no_drain (f, off, len);
 }
 
 static uint64_t
@@ -382,20 +391,6 @@ END_TEST
  * FLUSH: a lone miss, and a burst of them, are cached with no drain.  The
  * lookups here do not drain (unlike cached()); a fill that only ran at
  * drain or close would fail this after its deadline. */
-static bool
-cached_no_drain (struct fx *f, uint64_t off, uint64_t len)
-{
-  struct bcf_extent e[64];
-  unsigned n;
-  uint64_t covered = 0;
-
-  ck_assert_int_eq (bcf_lookup (f->c, off, len, e, 64, &n), 0);
-  for (unsigned i = 0; i < n; i++)
-    if (e[i].kind == BCF_EXTENT_HIT)
-      covered += e[i].len;
-  return covered == len;
-}
-
 START_TEST (fills_run_without_drain)
 {
   struct fx f;
