@@ -17,6 +17,15 @@
  *   FREE --alloc--> OPEN (data, appended) --full--> AVAILABLE
  *   FREE --alloc--> IN_USE (metadata) --released--> AVAILABLE
  *
+ * The other side of the same window: while a bucket is FREE_INC its keys
+ * are stale in memory but still valid on disk, and memory forgets them
+ * (GC drops stale keys, a miss lays its check key over one).  A write to
+ * such a range then finds nothing cached, yet its invalidation must be
+ * journalled, or a crash before the prio write revives the old key over
+ * data the backing store no longer has.  So the allocator counts the
+ * buckets whose gen is not persisted (unpersisted), and bcf_invalidate
+ * journals whenever that count is not zero.
+ *
  * Which AVAILABLE buckets may be invalidated is decided by their mark
  * (free or clean data; never dirty data or metadata), their pin count
  * (no data write in flight) and the gen-wrap guard: gen - last_gc < 96,
@@ -189,14 +198,51 @@ can_invalidate (const struct bucket *b)
          (uint8_t) (b->gen - b->last_gc) < BUCKET_GC_GEN_MAX;
 }
 
+/* a->unpersisted += delta.  Under alloc.lock (the only writers); release,
+ * so that a new gen published after it implies it. */
+static void
+add_unpersisted (struct alloc_state *a, int delta)
+{
+  uint_fast64_t n = atomic_load_explicit (&a->unpersisted,
+                                          memory_order_relaxed);
+
+  atomic_store_explicit (&a->unpersisted, n + (uint_fast64_t) (int64_t) delta,
+                         memory_order_release);
+}
+
+/* Record that gen is persisted for b.  Under alloc.lock. */
+static void
+set_disk_gen (struct alloc_state *a, struct bucket *b, uint8_t gen)
+{
+  bool was = b->gen != b->disk_gen, is = b->gen != gen;
+
+  b->disk_gen = gen;
+  if (is != was)
+    add_unpersisted (a, is ? 1 : -1);
+}
+
+bool
+alloc_gens_unpersisted (struct bcf_cache *c)
+{
+  return atomic_load_explicit (&c->alloc.unpersisted,
+                               memory_order_acquire) != 0;
+}
+
 static void
 invalidate_one (struct alloc_state *a, uint64_t bi)
 {
   struct bucket *b = &a->buckets[bi];
+  uint8_t gen = (uint8_t) (b->gen + 1);
 
+  /* Counted before the new gen is published (a FREE_INC bucket is never
+   * invalidated again before its gen is persisted, so the new gen always
+   * differs from disk_gen). */
+  if (b->gen == b->disk_gen)
+    add_unpersisted (a, 1);
   /* Release ordering: a reader that sees the new gen after reading the
-   * data knows the data may be from the new owner (bcf_read_hit). */
-  __atomic_store_n (&b->gen, (uint8_t) (b->gen + 1), __ATOMIC_RELEASE);
+   * data knows the data may be from the new owner (bcf_read_hit), and
+   * sees the count above. */
+  __atomic_store_n (&b->gen, gen, __ATOMIC_RELEASE);
   b->state = BUCKET_FREE_INC;
   b->mark = GC_MARK_FREE;
   b->sectors_used = 0;
@@ -326,7 +372,7 @@ alloc_fill_from_unused (struct bcf_cache *c)
    * next prio write records it. */
   for (size_t i = 0; i < a->free_inc.nr; i++) {
     uint64_t bi = a->free_inc.data[(a->free_inc.front + i) % a->free_inc.size];
-    a->buckets[bi].disk_gen = a->buckets[bi].gen;
+    set_disk_gen (a, &a->buckets[bi], a->buckets[bi].gen);
   }
   free_inc_to_free_lists (a);
   pthread_mutex_unlock (&a->lock);
@@ -699,7 +745,7 @@ alloc_prio_write (struct bcf_cache *c)
     if (r == 0) {
       pthread_mutex_lock (&a->lock);
       for (uint64_t bi = 0; bi < a->nbuckets; bi++)
-        a->buckets[bi].disk_gen = ent[bi].gen;
+        set_disk_gen (a, &a->buckets[bi], ent[bi].gen);
       pthread_mutex_unlock (&a->lock);
       for (unsigned i = 0; i < nold; i++)
         alloc_release_meta (c, oldchain[i]);

@@ -727,15 +727,24 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
 
 /* ---- writes and invalidation ------------------------------------------------------ */
 
-/* Could [s, e) hold cached data after a crash?  Any key with a data
- * pointer counts, stale ones too: a bucket invalidated in memory gets its
- * new gen persisted only with the next prio write, so after a crash
- * before that its old keys are valid again, and an invalidation that was
- * not journalled would let them come back with old data.  Under
- * tree_lock. */
-static bool
-range_cached_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
+/* What [s, e) holds in memory. */
+enum range_state {
+  RANGE_EMPTY,                /* no key at all */
+  RANGE_CHECK_KEYS,           /* check keys (misses in flight), no data */
+  RANGE_CACHED,               /* a data pointer, or a leaf not in memory */
+};
+
+/* RANGE_CACHED: could [s, e) hold cached data after a crash?  Any key
+ * with a data pointer counts, stale ones too: a bucket invalidated in
+ * memory gets its new gen persisted only with the next prio write, so
+ * after a crash before that its old keys are valid again, and an
+ * invalidation that was not journalled would let them come back with old
+ * data.  (Stale keys already dropped from memory are bcf_invalidate's
+ * other check.)  Under tree_lock. */
+static enum range_state
+range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
 {
+  enum range_state st = RANGE_EMPTY;
   uint64_t pos = s;
 
   while (pos < e) {
@@ -744,20 +753,21 @@ range_cached_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
     uint64_t leaf_end;
 
     if (!leaf || leaf->evicted)
-      return true;            /* not in memory: assume cached (safe) */
+      return RANGE_CACHED;    /* not in memory: assume cached (safe) */
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
       const struct ckey *k = &ks->k[i];
       if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
         break;
       if (ckey_has_ptr (k) && !ckey_is_check (k))
-        return true;
+        return RANGE_CACHED;
+      st = RANGE_CHECK_KEYS;
     }
     leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
                : UINT64_MAX;
     pos = leaf_end;
   }
-  return false;
+  return st;
 }
 
 int
@@ -765,7 +775,8 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
                 bool durable)
 {
   uint64_t s, e, seq = 0;
-  bool journal;
+  enum range_state st;
+  bool unpersisted, journal;
   int r;
 
   if (c->opts.readonly)
@@ -774,7 +785,12 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
   pthread_rwlock_rdlock (&c->tree_lock);
-  journal = range_cached_locked (c, s, e);
+  st = range_state_locked (c, s, e);
+  /* After the look at the tree: a key dropped as stale before it (GC, a
+   * check key inserted over it) was dropped because its bucket's gen was
+   * bumped, and that bump was counted before it was visible; while it is
+   * not persisted, that key is valid on disk after a crash. */
+  unpersisted = alloc_gens_unpersisted (c);
   pthread_rwlock_unlock (&c->tree_lock);
   /* Where nothing is cached, the whiteout only has to reach the tree in
    * memory (to make in-flight misses collide); it need not be journalled,
@@ -782,6 +798,7 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
    * check and the insert below was journalled itself, and our whiteout,
    * inserted after it, wins in memory; on disk that key is only there if
    * it was flushed, and then its write was acknowledged before ours. */
+  journal = st == RANGE_CACHED || unpersisted;
   for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
     uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
     struct ckey w = range_piece (c, p, pe, s, false, 0, false);

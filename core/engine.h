@@ -110,12 +110,25 @@ struct alloc_state {
   unsigned nprio;
   uint64_t prio_seq;
   atomic_uint waiting;      /* threads waiting for a bucket (GC pacing) */
+  /* Buckets whose gen in memory is not the one persisted (gen !=
+   * disk_gen): their stale keys would be valid again after a crash.
+   * Written under lock, read without it (bcf_invalidate): see
+   * alloc_gens_unpersisted. */
+  atomic_uint_fast64_t unpersisted;
   uint64_t sectors_to_gc;   /* GC trigger countdown */
   uint64_t rescale_sectors; /* prio decay countdown */
 };
 
 int alloc_init (struct bcf_cache *c);
 void alloc_free (struct bcf_cache *c);
+/* Is some bucket's gen bumped in memory but not yet persisted?  While it
+ * is, keys dropped from memory as stale (GC, a miss's check key over a
+ * stale extent) may be valid on disk after a crash, so an invalidation
+ * that finds nothing cached must still be journalled.  Acquire load: a
+ * caller that saw a bumped gen, or a key dropped because of one (through
+ * tree_lock), sees the count that includes it, until that gen is
+ * persisted. */
+bool alloc_gens_unpersisted (struct bcf_cache *c);
 /* Pop a bucket from the reserve (falling back to RESERVE_NONE for the
  * others).  Never waits, never does I/O: -EAGAIN if the lists are empty.
  * The bucket gets mark, prio and used = bucket size. */

@@ -19,8 +19,10 @@
  * The seed is printed; TEST_SEED replays.
  *
  * Also here: a block whose bucket was reclaimed and reused is not
- * brought back by recovery (test_gen_reuse_crash); and recovery tolerates a torn newest journal entry and refuses a
- * gap in the middle of the journal.
+ * brought back by recovery (test_gen_reuse_crash); nor is a key dropped
+ * from memory as stale before its bucket's new gen was persisted
+ * (test_stale_drop_crash); and recovery tolerates a torn newest journal
+ * entry and refuses a gap in the middle of the journal.
  */
 #include "config.h"
 
@@ -655,6 +657,113 @@ START_TEST (test_prio_publish_crash)
 }
 END_TEST
 
+/* ---- a stale key dropped from memory before its gen is persisted ---------- */
+
+/* A bucket's gen is bumped in memory when the allocator invalidates it,
+ * and persisted only with the next prio write.  In between, the keys
+ * into it are stale in memory but valid on disk.  GC drops such keys from
+ * memory, and so does a miss's check key laid over one.  A write to the
+ * range then finds nothing cached and, unless it looks further, does not
+ * journal its invalidation, so a power cut before the prio write brings
+ * the old key back, valid, over data the backing store no longer has.
+ * The hook is the window: the allocator has invalidated block 0's bucket
+ * and written the new prio chain, but not committed it; there we drop
+ * block 0's key (by GC, or by a miss begun and cancelled over it),
+ * change block 0 in the backing store, invalidate it durably, and cut
+ * the power before the prio commit. */
+struct stale_window {
+  struct run *r;
+  uint64_t bucket;              /* block 0's */
+  bool by_gc;                   /* drop by GC, else by a cancelled miss */
+  bool fired;
+};
+
+static void
+stale_window_hook (struct bcf_cache *c, void *opaque)
+{
+  struct stale_window *w = opaque;
+  struct bucket *b = &c->alloc.buckets[w->bucket];
+  struct bcf_extent e;
+  unsigned n;
+
+  if (w->fired || b->gen == b->disk_gen)
+    return;                     /* not block 0's bucket this time */
+  w->fired = true;
+  ck_assert_int_eq (bcf_lookup (c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u: a key into an "
+                 "invalidated bucket is a hit", seed);
+  if (w->by_gc)
+    ck_assert_int_eq (bcf_gc_run (c), 0);
+  else {
+    struct bcf_miss m;
+    ck_assert_int_eq (bcf_miss_begin (c, 0, BLOCK, &m), 0);
+    bcf_miss_cancel (c, &m);
+  }
+  backing_write_random (w->r, 0, 1);
+  ck_assert_int_eq (bcf_invalidate (c, 0, BLOCK, true), 0);
+  bcf_io_test_power_cut (bcf_cache_test_io (c), 1);
+}
+
+static void
+stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
+{
+  struct run r;
+  struct bcf_io_faults f = { 0 };
+  struct bcf_extent e;
+  struct stale_window w = { .r = &r, .by_gc = by_gc };
+  unsigned n;
+
+  rng_state = seed * 11 + cseed;
+  /* 2 MiB in 8 KiB buckets, fifo: block 0's bucket is invalidated after
+   * about 2 MiB of inserts (see gen_reuse_crash). */
+  run_init_policy (&r, "stale.img", 2u << 20, 16, BCH_REPLACEMENT_FIFO);
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+  backing_write_random (&r, 0, 1);
+  ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
+  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_int_eq (e.kind, BCF_EXTENT_HIT);
+  w.bucket = e.dev_offset / (r.c->bucket_sectors << 9);
+  ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);   /* the key on disk */
+
+  r.c->test_prio_hook = stale_window_hook;
+  r.c->test_prio_hook_opaque = &w;
+  for (unsigned i = 0; i < 20000 && !w.fired; i++) {
+    uint64_t y = 1 + i % (NBLOCKS - 1);
+    backing_write_random (&r, y, 1);
+    if (bcf_insert (r.c, y * BLOCK, BLOCK, r.buf, false, false) < 0)
+      break;                    /* the power went in the hook */
+  }
+  ck_assert_msg (w.fired, "seed %u: bucket %" PRIu64 " was never "
+                 "invalidated", seed, w.bucket);
+
+  bcf_cache_test_crash (r.c, cseed, mode);
+  r.c = NULL;
+  run_open (&r, BCF_FORMAT_NEVER, true);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (dropped "
+                 "by %s): block 0's old key is a hit after recovery, though "
+                 "its invalidation was acknowledged", seed, mode,
+                 by_gc ? "GC" : "a cancelled miss");
+  {
+    char what[64];
+    snprintf (what, sizeof what, "seed %u crash mode %d", seed, mode);
+    check_hits_equal_backing (&r, what);
+  }
+  run_free (&r);
+}
+
+START_TEST (test_stale_drop_crash)
+{
+  for (int by_gc = 0; by_gc < 2; by_gc++) {
+    stale_drop_crash (by_gc, BCF_IO_CRASH_LOSE_ALL, 1);
+    stale_drop_crash (by_gc, BCF_IO_CRASH_KEEP_ALL, 2);
+    for (uint64_t k = 0; k < 4; k++)
+      stale_drop_crash (by_gc, BCF_IO_CRASH_RANDOM, seed + k);
+  }
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -680,6 +789,7 @@ main (void)
   add (s, "crash_eviction", test_crash_eviction);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);
+  add (s, "stale_drop_crash", test_stale_drop_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
