@@ -797,7 +797,16 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
    * since nothing on disk can bring data back.  A key inserted between the
    * check and the insert below was journalled itself, and our whiteout,
    * inserted after it, wins in memory; on disk that key is only there if
-   * it was flushed, and then its write was acknowledged before ours. */
+   * it was flushed, and then its write was acknowledged before ours.
+   * Where there is no key at all, and no stale key can have been dropped
+   * from memory while valid on disk, there is nothing for a whiteout to
+   * do: a miss whose check key goes in after our look is ordered after
+   * our caller's tracker registration (request.c's protocol), and a
+   * bcf_insert racing with us is a concurrent write of the same range, in
+   * either order.  So a write to a range nobody cached costs no key in
+   * the node's open set (written at the next checkpoint) and no insert. */
+  if (st == RANGE_EMPTY && !unpersisted)
+    return 0;
   journal = st == RANGE_CACHED || unpersisted;
   for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
     uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;

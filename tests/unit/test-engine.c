@@ -275,6 +275,57 @@ START_TEST (test_miss_collision)
 }
 END_TEST
 
+/* An invalidation of a range that holds no key at all adds nothing: no
+ * whiteout in the leaf's open set (it would be written at the next
+ * checkpoint) and no journal entry.  Where something is cached, the
+ * whiteout goes in and is journalled; where a miss is in flight, it goes
+ * in and the fill collides (test_miss_collision). */
+static size_t
+open_keys_at (struct bcf_cache *c, uint64_t offset)
+{
+  struct btree_node *leaf;
+  size_t n;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  leaf = btree_find_leaf (c, c->inode, (offset >> 9) + 1);
+  ck_assert_ptr_nonnull (leaf);
+  n = leaf->open.nr;
+  pthread_rwlock_unlock (&c->tree_lock);
+  return n;
+}
+
+START_TEST (test_invalidate_empty)
+{
+  struct fixture f;
+  struct bcf_cache_stats st;
+  uint64_t writes;
+  size_t open;
+  uint8_t *data = calloc (1, 4096);
+
+  fixture_init (&f, "inval.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_insert (f.c, 0, 4096, data, false, true), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  ck_assert (!alloc_gens_unpersisted (f.c));
+  bcf_cache_stats (f.c, &st);
+  writes = st.journal_writes;
+  open = open_keys_at (f.c, 8 << 20);
+
+  ck_assert_int_eq (bcf_invalidate (f.c, 8 << 20, 65536, true), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_msg (open_keys_at (f.c, 8 << 20) == open,
+                 "a whiteout over a range with no key went into the open set");
+  ck_assert_uint_eq (st.journal_writes, writes);
+
+  ck_assert_int_eq (bcf_invalidate (f.c, 0, 4096, true), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_gt (open_keys_at (f.c, 0), 0);
+  ck_assert_uint_gt (st.journal_writes, writes);
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The strict model phase: no eviction, so the cached map is exact.  With
  * node_cache_bytes small, clean leaves are dropped from memory at every
  * checkpoint and read back on use, and the map must not change.  20000
@@ -1174,6 +1225,7 @@ engine_suite (void)
   add (s, "format_reopen", test_format_reopen);
   add (s, "make_bcache_interop", test_make_bcache_interop);
   add (s, "miss_collision", test_miss_collision);
+  add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "miss_fill_many", test_miss_fill_many);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
