@@ -19,6 +19,12 @@
 #     bcachefilter-pc  the same plus bcache-direct=false: the cache file goes
 #                   through the page cache.  Its own fresh cache file and its
 #                   own warm-up.  Compare it with filepc.
+#     bcachefilter-none  the same with bcache-mode=none: the filter in the
+#                   path, caching nothing (every request passes through,
+#                   reads still look up the index).  Against proxy it shows
+#                   what the filter itself costs per request, apart from
+#                   the work of caching.  No warm-up (it would cache
+#                   nothing).
 #     file          nbdkit file plugin, cache=none, on a local file in
 #                   $WORKDIR: the issue's ceiling (no remote at all).  NB:
 #                   in nbdkit 1.32 cache=none is not O_DIRECT, it is
@@ -73,6 +79,11 @@
 #     randrw bcachefilter / remote        target >= 0.95 (total IOPS; the
 #                                         read IOPS are shown too)
 #     seq    bcachefilter / proxy         target >= 0.95
+#   and, without a target, what they decompose into: the pass-through
+#   proxy / remote (what any nbdkit proxy reaches on this host), and
+#   randrw bcachefilter / proxy and bcachefilter-none / proxy (what
+#   caching costs on top of the hop, and what the filter costs without
+#   caching).
 #   The same ratios are printed for nbdkit's cache filter, for reference.
 #
 #   Every run also gets "device reads/IO": the reads completed (field 1 of
@@ -97,27 +108,28 @@
 #   RUNTIME    seconds per measured job (default 20)
 #   FILTER_SO  the filter (default /tmp/b-bench/plugin/.libs/
 #              nbdkit-bcachefilter-filter.so).  If it does not exist the
-#              bcachefilter and bcachefilter-pc configs are skipped with a
-#              warning.
+#              bcachefilter, bcachefilter-pc and bcachefilter-none configs
+#              are skipped with a warning.
 #   WORKDIR    where the cache file, the local data file and the sockets go.
 #              Default: a new `mktemp -d /var/tmp/filter-bench.XXXXXX`,
 #              removed at exit.  Must be a real disk filesystem with O_DIRECT
 #              (not tmpfs): the script checks and prints what it is.  Needs
 #              about 4*SIZE free (data file, 2*SIZE cache, cache filter file;
-#              bcachefilter and bcachefilter-pc never have a cache file at
-#              the same time).
+#              no two bcachefilter configs have a cache file at the same
+#              time).
 #   OUTDIR     where fio's JSON, the front ends' logs and summary.md go
 #              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
 #   CONFIGS    subset of: remote proxy cachefilter bcachefilter
-#              bcachefilter-pc file filepc qemunbd (default: all)
+#              bcachefilter-pc bcachefilter-none file filepc qemunbd
+#              (default: all)
 #   WORKLOADS  subset of: hits zipf randrw seqread (default: all)
 #   REPEAT     runs per (config, workload), the table shows the median
 #              (default 1).  For hits the warm-up is done once.
 #   ZIPF       zipf theta (default 1.2)
 #   WARM_MAX   seconds cap on a warm-up pass (default 180)
 #   BCACHE_ARGS extra bcachefilter parameters, e.g.
-#              "bcache-io=sync" or "bcache-sequential-cutoff=0" (for both
-#              bcachefilter and bcachefilter-pc)
+#              "bcache-io=sync" or "bcache-sequential-cutoff=0" (for every
+#              bcachefilter config)
 #   BCTL       path of bcachefilter-ctl (default /tmp/b-bench/tools/
 #              bcachefilter-ctl).  If it is executable, the filter gets
 #              bcache-ctl=$WORKDIR/ctl.sock and its stats (--json) are saved
@@ -127,6 +139,9 @@
 #              `perf record -g` the front end during that run, into OUTDIR.
 #   PERF_OPTS  perf record options instead of -g, e.g. "--call-graph dwarf"
 #              (the filter is built without frame pointers).
+#   IODEPTH    fio's queue depth (default 16).  At 16 a 2-CPU host is
+#              CPU-bound for randrw; a lower depth shows the same configs
+#              with CPU to spare.
 #   KEEP=1     keep WORKDIR.
 #
 # Needs: nbdkit (memory, file, nbd plugins; delay, cache filters), fio with
@@ -142,7 +157,7 @@ set -euo pipefail
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-ALL_CONFIGS="remote proxy cachefilter bcachefilter bcachefilter-pc file filepc qemunbd"
+ALL_CONFIGS="remote proxy cachefilter bcachefilter bcachefilter-pc bcachefilter-none file filepc qemunbd"
 CONFIGS=${CONFIGS:-$ALL_CONFIGS}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
@@ -153,7 +168,8 @@ BCTL=${BCTL:-/tmp/b-bench/tools/bcachefilter-ctl}
 PERF=${PERF:-}
 PERF_OPTS=${PERF_OPTS:--g}
 KEEP=${KEEP:-0}
-IODEPTH=16
+IODEPTH=${IODEPTH:-16}
+[[ $IODEPTH =~ ^[1-9][0-9]*$ ]] || { echo "filter-bench: bad IODEPTH=$IODEPTH" >&2; exit 1; }
 
 die() { echo "filter-bench: $*" >&2; exit 1; }
 say() { echo "[$(date +%T)] $*" >&2; }
@@ -188,6 +204,7 @@ drop_config() {                 # drop_config NAME WHY: skip it, with a warning
 if [[ ! -f $FILTER_SO ]]; then
     drop_config bcachefilter "$FILTER_SO does not exist"
     drop_config bcachefilter-pc "$FILTER_SO does not exist"
+    drop_config bcachefilter-none "$FILTER_SO does not exist"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
 
@@ -382,12 +399,13 @@ start_front() {
     cachefilter)
         TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
             nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
-    bcachefilter|bcachefilter-pc)
-        # the two never run at the same time: each gets a new file at $CACHE
+    bcachefilter|bcachefilter-pc|bcachefilter-none)
+        # they never run at the same time: each gets a new file at $CACHE
         if [[ $fresh == 1 ]]; then rm -f "$CACHE"; fi
         local ctl=() pc=()
         if [[ -x $BCTL ]]; then ctl=(bcache-ctl="$CTLSOCK"); fi
         if [[ $cfg == bcachefilter-pc ]]; then pc=(bcache-direct=false); fi
+        if [[ $cfg == bcachefilter-none ]]; then pc=(bcache-mode=none); fi
         # shellcheck disable=SC2086
         start_nbdkit "$cfg" "$FSOCK" --filter="$FILTER_SO" \
             nbd socket="$RSOCK" bcache="$CACHE" bcache-size="$CACHE_BYTES" \
@@ -408,7 +426,7 @@ stop_front() {
     FRONT_PID=
 }
 
-is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc ]]; }
+is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-none ]]; }
 
 bctl_stats() {                  # bctl_stats FILE: save bcachefilter's stats
     [[ -x $BCTL && -S $CTLSOCK ]] || return 0
@@ -496,7 +514,7 @@ EOF
 # One remote serves the whole run: it holds no state that matters here.
 T0=$SECONDS
 REMOTE_PID=
-if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter|bcachefilter-pc)\  ]]; then
+if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-none)\  ]]; then
     say "remote: nbdkit memory plugin behind the delay filter, filling it"
     start_remote
 fi
@@ -505,7 +523,10 @@ for wl in $WORKLOADS; do
     if [[ $wl == hits ]]; then
         for cfg in $CONFIGS; do
             start_front "$cfg" 1
-            if [[ $cfg == cachefilter ]] || is_bcache "$cfg"; then warm "$cfg"; fi
+            if [[ $cfg == cachefilter ]] ||
+               { is_bcache "$cfg" && [[ $cfg != bcachefilter-none ]]; }; then
+                warm "$cfg"
+            fi
             # the file plugin's cache=none run evicts pages of DATA: put it
             # all back, so that the page-cache ceiling starts warm too
             if [[ $cfg == filepc ]]; then cat "$DATA" >/dev/null; fi
@@ -595,7 +616,11 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            ("zipf",   "riops", "bcachefilter",    "remote",  0.95, "cold zipf IOPS vs the remote alone"),
            ("randrw", "iops",  "bcachefilter",    "remote",  0.95, "70/30 total IOPS vs the remote alone"),
            ("randrw", "riops", "bcachefilter",    "remote",  0.95, "70/30 read IOPS vs the remote alone"),
-           ("seqread","mibs",  "bcachefilter",    "proxy",   0.95, "1M seq read MiB/s vs the pass-through proxy")]
+           ("seqread","mibs",  "bcachefilter",    "proxy",   0.95, "1M seq read MiB/s vs the pass-through proxy"),
+           # no target: what the randrw ratio is made of
+           ("randrw", "iops",  "proxy",           "remote",  None, "70/30 total IOPS: the pass-through proxy vs the remote alone"),
+           ("randrw", "iops",  "bcachefilter",    "proxy",   None, "70/30 total IOPS vs the pass-through proxy"),
+           ("randrw", "iops",  "bcachefilter-none", "proxy", None, "70/30 total IOPS, bcache-mode=none vs the pass-through proxy")]
 print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
 print("|---|---:|---:|---:|")
 for w, k, bc, base, tgt, what in targets:
@@ -606,8 +631,10 @@ for w, k, bc, base, tgt, what in targets:
         if x is None or not b: cells.append("–")
         else:
             r = x / b
-            cells.append(f"{r:.2f}" + ((" ✔" if r >= tgt else " ✘") if c == bc else ""))
-    print(f"| {what} | ≥ {tgt:.2f} | " + " | ".join(cells) + " |")
+            mark = (" ✔" if r >= tgt else " ✘") if c == bc and tgt else ""
+            cells.append(f"{r:.2f}" + mark)
+    print(f"| {what} | " + (f"≥ {tgt:.2f}" if tgt else "–") + " | "
+          + " | ".join(cells) + " |")
 
 print("\nEvery run. Front-end CPU: user+system CPU time of the front-end process "
       "(nbdkit, or qemu-nbd; the remote's own for \"remote\") over the job, per I/O. "
