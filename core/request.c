@@ -118,7 +118,7 @@
 #define FILL_QUEUE_BYTES (32u << 20)
 #define FILL_BATCH 64                   /* fills per device submission */
 #define FILL_BATCH_BYTES (4u << 20)
-#define FILL_LINGER_NS 1000000ull       /* how long a small batch may wait */
+#define FILL_LINGER_NS 4000000ull       /* how long a small batch may wait */
 
 /* A queued cache fill: a check key and a copy of its data. */
 struct fill {
@@ -271,7 +271,12 @@ batch_ready (const struct bcf_req *r)
  * A small batch lingers until its oldest fill is FILL_LINGER_NS old,
  * unless the batch fills up or a drain (FLUSH) or stop wants it: at a few
  * thousand misses a second that turns one write per miss into one per
- * several.  The delay is harmless to correctness (the check key decides
+ * twenty or so.  Each submission rings the device's doorbell, which on a
+ * virtual disk is an exit to the hypervisor: on the 2-CPU VM of
+ * docs/BENCHMARKS.md, 4 ms instead of 1 ms took a third of the
+ * submissions and 8% of the CPU per request off a cold 70/30 run, with
+ * no change to cold zipf reads; longer gained nothing more, as batches
+ * then fill up first.  The delay is harmless to correctness (the check key decides
  * whether a late fill may insert) and costs a client nothing: it has its
  * data already; a re-read inside the window misses again.  queue_fill
  * wakes a worker only when the queue becomes non-empty or a batch is
