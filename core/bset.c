@@ -71,7 +71,8 @@ ckey_from_bkey (const struct bkey *b, struct ckey *out)
 
 struct keyset_share {
   atomic_uint ref;
-  struct ckey *k;             /* freed with the last reference */
+  struct ckey *k;             /* the allocation: freed with the last
+                                 reference */
 };
 
 struct keyset_share *
@@ -82,7 +83,7 @@ keyset_share (struct keyset *s)
     if (!s->share)
       return NULL;
     atomic_init (&s->share->ref, 1);      /* the set's own reference */
-    s->share->k = s->k;
+    s->share->k = s->k - s->head;         /* the allocation, to free */
   }
   atomic_fetch_add_explicit (&s->share->ref, 1, memory_order_relaxed);
   return s->share;
@@ -118,8 +119,8 @@ unshare (struct keyset *s, size_t cap)
   if (!k)
     return -ENOMEM;
   if (s->nr)
-    memcpy (k, s->k, s->nr * sizeof *k);
-  s->k = k;
+    memcpy (k + s->head, s->k, s->nr * sizeof *k);
+  s->k = k + s->head;
   s->cap = cap;
   s->share = NULL;
   keyset_share_put (sh);
@@ -145,7 +146,7 @@ void
 keyset_init (struct keyset *s, bool keep_whiteouts)
 {
   s->k = NULL;
-  s->nr = s->cap = 0;
+  s->nr = s->cap = s->head = 0;
   s->words = s->ndirty = 0;
   s->share = NULL;
   s->keep_whiteouts = keep_whiteouts;
@@ -156,11 +157,11 @@ keyset_free (struct keyset *s)
 {
   if (s->share)
     keyset_share_put (s->share);
-  else
-    free (s->k);
+  else if (s->k)
+    free (s->k - s->head);
   s->k = NULL;
   s->share = NULL;
-  s->nr = s->cap = 0;
+  s->nr = s->cap = s->head = 0;
   s->words = s->ndirty = 0;
 }
 
@@ -169,29 +170,65 @@ keyset_clear (struct keyset *s)
 {
   if (s->share)
     keyset_free (s);          /* keep no copy of a shared array */
+  else if (s->k) {
+    s->k -= s->head;
+    s->head = 0;
+  }
   s->nr = 0;
   s->words = s->ndirty = 0;
+}
+
+/* Make the set's own array hold n keys.  A new array gets the room
+ * after the keys (appending), or with centred, half of it before them
+ * (inserting anywhere: see insert_at). */
+static int
+reserve (struct keyset *s, size_t n, bool centred)
+{
+  size_t cap, head;
+  struct ckey *k;
+
+  if (unshare (s, 0) < 0)
+    return -ENOMEM;
+  if (n <= s->cap && (centred || n <= s->cap - s->head))
+    return 0;
+  cap = s->cap ? s->cap : 16;
+  while (cap < n)
+    cap *= 2;
+  head = centred ? (cap - s->nr) / 2 : 0;
+  k = malloc (cap * sizeof *k);
+  if (!k)
+    return -ENOMEM;
+  if (s->nr)
+    memcpy (k + head, s->k, s->nr * sizeof *k);
+  if (s->k)
+    free (s->k - s->head);
+  s->k = k + head;
+  s->head = head;
+  s->cap = cap;
+  return 0;
 }
 
 int
 keyset_reserve (struct keyset *s, size_t n)
 {
-  size_t cap;
+  return reserve (s, n, false);
+}
+
+struct ckey *
+keyset_steal (struct keyset *s, void **alloc)
+{
   struct ckey *k;
 
-  if (n <= s->cap)
-    return unshare (s, 0);
-  cap = s->cap ? s->cap : 16;
-  while (cap < n)
-    cap *= 2;
-  if (s->share)
-    return unshare (s, cap) < 0 ? -ENOMEM : keyset_reserve (s, n);
-  k = realloc (s->k, cap * sizeof *k);
-  if (!k)
-    return -ENOMEM;
-  s->k = k;
-  s->cap = cap;
-  return 0;
+  *alloc = NULL;
+  if (keyset_unshare (s) < 0)
+    return NULL;
+  k = s->k;
+  if (k)
+    *alloc = k - s->head;
+  s->k = NULL;
+  s->nr = s->cap = s->head = 0;
+  s->words = s->ndirty = 0;
+  return k;
 }
 
 size_t
@@ -209,15 +246,29 @@ keyset_search (const struct keyset *s, uint64_t inode, uint64_t sector)
   return lo;
 }
 
+/* Insert at index i, moving the shorter side of the array: the keys
+ * before i down into the room before the array, or those from i up into
+ * the room after it.  A leaf holds thousands of keys and a miss inserts
+ * at a random place, so this halves the bytes moved per insert.  Needs
+ * one free slot on either side (reserve). */
 static void
 insert_at (struct keyset *s, size_t i, const struct ckey *k)
 {
-  memmove (&s->k[i + 1], &s->k[i], (s->nr - i) * sizeof *k);
+  size_t tail_room = s->cap - s->head - s->nr;
+
+  if (s->head > 0 && (i < s->nr - i || tail_room == 0)) {
+    memmove (s->k - 1, s->k, i * sizeof *k);
+    s->k--;
+    s->head--;
+  }
+  else
+    memmove (&s->k[i + 1], &s->k[i], (s->nr - i) * sizeof *k);
   s->k[i] = *k;
   s->nr++;
   account (s, k, 1);
 }
 
+/* Remove keys [i, i + n), closing the gap from the shorter side. */
 static void
 remove_range (struct keyset *s, size_t i, size_t n)
 {
@@ -225,7 +276,13 @@ remove_range (struct keyset *s, size_t i, size_t n)
     return;                     /* not even a memmove of the tail onto itself */
   for (size_t j = i; j < i + n; j++)
     account (s, &s->k[j], -1);
-  memmove (&s->k[i], &s->k[i + n], (s->nr - i - n) * sizeof s->k[0]);
+  if (i < s->nr - i - n) {
+    memmove (&s->k[n], &s->k[0], i * sizeof s->k[0]);
+    s->k += n;
+    s->head += n;
+  }
+  else
+    memmove (&s->k[i], &s->k[i + n], (s->nr - i - n) * sizeof s->k[0]);
   s->nr -= n;
 }
 
@@ -241,7 +298,7 @@ keyset_insert (struct keyset *s, const struct ckey *k)
     return 0;
   /* At most two new entries: the key itself and the tail of a key it
    * splits.  Reserve first so failure leaves the set untouched. */
-  if (keyset_reserve (s, s->nr + 2) < 0)
+  if (reserve (s, s->nr + 2, true) < 0)
     return -ENOMEM;
 
   i = keyset_search (s, inode, start);
@@ -343,7 +400,7 @@ keyset_put (struct keyset *s, const struct ckey *k)
     account (s, k, 1);
     return 0;
   }
-  if (keyset_reserve (s, s->nr + 1) < 0)
+  if (reserve (s, s->nr + 1, true) < 0)
     return -ENOMEM;
   insert_at (s, i, k);
   return 0;

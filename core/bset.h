@@ -108,9 +108,10 @@ bool ckey_from_bkey (const struct bkey *k, struct ckey *out);
 struct keyset_share;
 
 struct keyset {
-  struct ckey *k;
+  struct ckey *k;             /* the keys: head slots into the allocation */
   size_t nr;
-  size_t cap;
+  size_t cap;                 /* slots allocated, before k included */
+  size_t head;                /* free slots before k */
   size_t words;               /* sum of bkey_u64s: the keys' size on disk */
   size_t ndirty;              /* keys with KEY_DIRTY */
   struct keyset_share *share; /* k is shared (copy on write): NULL if not */
@@ -120,8 +121,13 @@ struct keyset {
 void keyset_init (struct keyset *s, bool keep_whiteouts);
 void keyset_free (struct keyset *s);
 void keyset_clear (struct keyset *s);
-/* Make room for n keys; -ENOMEM on failure. */
+/* Make room for n keys after k (for keyset_append); -ENOMEM on failure. */
 int keyset_reserve (struct keyset *s, size_t n);
+/* Take the set's array in O(1): returns its s->nr keys, and in *alloc
+ * what the caller frees (with free) when done with them; the set is left
+ * empty.  NULL if the set had no array (or ENOMEM while unsharing: check
+ * s->nr first). */
+struct ckey *keyset_steal (struct keyset *s, void **alloc);
 
 /* Copy on write.  keyset_share returns a reference to the set's current
  * array (s->k, s->nr keys), which stays valid and unchanged until the

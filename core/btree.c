@@ -853,7 +853,9 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
 struct node_write {
   /* Captured under the lock (phase 1): */
   struct ckey *keys;          /* the keys to write: owned (a stolen open
-                                 set), or shared with the node (share) */
+                                 set, freed as keys_alloc), or shared with
+                                 the node (share) */
+  void *keys_alloc;
   struct keyset_share *share; /* reference to the node's merged keys */
   size_t nkeys;
   uint64_t seq, ptr0;         /* the node's bset seq and pointer (csum seed) */
@@ -901,12 +903,12 @@ capture_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
   }
   w = &ck->w[ck->nw];
   memset (w, 0, sizeof *w);
+  w->nkeys = s->nr;
+  w->len = round_block (c, BCH_BSET_HEADER_SIZE + s->words * 8);
   if (steal) {
-    if (keyset_unshare (s) < 0)       /* open sets are never shared */
+    /* open sets are never shared: no copy, no failure but ENOMEM */
+    if (s->nr && !(w->keys = keyset_steal (s, &w->keys_alloc)))
       return 0;
-    w->keys = s->k;
-    s->k = NULL;
-    s->cap = 0;
   }
   else if (s->nr) {
     w->share = keyset_share (s);
@@ -914,10 +916,8 @@ capture_bset (struct bcf_cache *c, struct ckpt *ck, struct btree_node *n,
       return 0;
     w->keys = s->k;
   }
-  w->nkeys = s->nr;
   w->seq = n->seq;
   w->ptr0 = n->key.ptr;
-  w->len = round_block (c, BCH_BSET_HEADER_SIZE + s->words * 8);
   w->off = node_bucket (c, n) * c->bucket_bytes + at;
   w->level = n->level;
   bcf_log (c, BCF_LOG_DEBUG, "node write: bucket %" PRIu64 " level %u at "
@@ -1092,7 +1092,7 @@ ckpt_free (struct ckpt *ck)
     if (ck->w[i].share)
       keyset_share_put (ck->w[i].share);
     else
-      free (ck->w[i].keys);
+      free (ck->w[i].keys_alloc);
   }
   free (ck->w);
 }
