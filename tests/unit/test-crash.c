@@ -27,6 +27,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -157,11 +158,19 @@ backing_write_random (struct run *r, uint64_t blk, uint64_t nb)
   memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
 }
 
-/* Every hit, anywhere, reads the backing store's bytes (I2).  what names
- * the case in the failure message. */
+/* Every hit, anywhere, reads the backing store's bytes (I2).  The format
+ * and its arguments name the case in the failure message. */
+static void check_hits_equal_backing (struct run *r, const char *fmt, ...)
+  __attribute__ ((format (printf, 2, 3)));
 static void
-check_hits_equal_backing (struct run *r, const char *what)
+check_hits_equal_backing (struct run *r, const char *fmt, ...)
 {
+  char what[128];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (what, sizeof what, fmt, ap);
+  va_end (ap);
   for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
     struct bcf_extent es[80];
     unsigned n;
@@ -510,6 +519,25 @@ END_TEST
  * the old gen.  Only the persisted gen makes it stale.  X must be a miss;
  * a hit would read the other block's bytes.  Every crash mode: all
  * unflushed writes lost, all kept, and seeded random subsets. */
+/* A 2 MiB cache in 8 KiB buckets with fifo replacement, so that block
+ * 0's bucket comes round again after about 2 MiB of inserts; faults
+ * armable through f; block 0 written to the backing store and cached
+ * (durably).  Returns block 0's extent. */
+static struct bcf_extent
+fifo_run_block0 (struct run *r, const char *name, struct bcf_io_faults *f)
+{
+  struct bcf_extent e;
+  unsigned n;
+
+  run_init_policy (r, name, 2u << 20, 16, BCH_REPLACEMENT_FIFO);
+  bcf_io_set_faults (bcf_cache_test_io (r->c), f);
+  backing_write_random (r, 0, 1);
+  ck_assert_int_eq (bcf_insert (r->c, 0, BLOCK, r->buf, false, true), 0);
+  ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_int_eq (e.kind, BCF_EXTENT_HIT);
+  return e;
+}
+
 static void
 gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
 {
@@ -521,15 +549,7 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
   bool reused = false;
 
   rng_state = seed * 7 + cseed;
-  /* 2 MiB in 8 KiB buckets, fifo: the bucket comes round after about
-   * 2 MiB of inserts. */
-  run_init_policy (&r, "reuse.img", 2u << 20, 16, BCH_REPLACEMENT_FIFO);
-  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
-
-  backing_write_random (&r, 0, 1);
-  ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
-  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &ex, 1, &n), 0);
-  ck_assert_int_eq (ex.kind, BCF_EXTENT_HIT);
+  ex = fifo_run_block0 (&r, "reuse.img", &f);
   bucket = ex.dev_offset / (r.c->bucket_sectors << 9);
   if (ckpt)
     ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
@@ -571,11 +591,7 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
   ck_assert_int_eq (bcf_read_hit (r.c, &e, r.buf), 0);
   ck_assert (memcmp (r.buf, r.m.shadow + y * BLOCK, BLOCK) == 0);
   /* And every other hit equals the backing store. */
-  {
-    char what[64];
-    snprintf (what, sizeof what, "seed %u crash mode %d", seed, mode);
-    check_hits_equal_backing (&r, what);
-  }
+  check_hits_equal_backing (&r, "seed %u crash mode %d", seed, mode);
   run_free (&r);
 }
 
@@ -642,11 +658,7 @@ prio_publish_crash (uint64_t cseed)
                    "unflushed prio chain: %s", cseed, err);
   }
   ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
-  {
-    char what[64];
-    snprintf (what, sizeof what, "crash seed %" PRIu64, cseed);
-    check_hits_equal_backing (&r, what);
-  }
+  check_hits_equal_backing (&r, "crash seed %" PRIu64, cseed);
   run_free (&r);
 }
 
@@ -714,14 +726,7 @@ stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
   unsigned n;
 
   rng_state = seed * 11 + cseed;
-  /* 2 MiB in 8 KiB buckets, fifo: block 0's bucket is invalidated after
-   * about 2 MiB of inserts (see gen_reuse_crash). */
-  run_init_policy (&r, "stale.img", 2u << 20, 16, BCH_REPLACEMENT_FIFO);
-  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
-  backing_write_random (&r, 0, 1);
-  ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
-  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
-  ck_assert_int_eq (e.kind, BCF_EXTENT_HIT);
+  e = fifo_run_block0 (&r, "stale.img", &f);
   w.bucket = e.dev_offset / (r.c->bucket_sectors << 9);
   ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);   /* the key on disk */
 
@@ -745,11 +750,7 @@ stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
                  "by %s): block 0's old key is a hit after recovery, though "
                  "its invalidation was acknowledged", seed, mode,
                  by_gc ? "GC" : "a cancelled miss");
-  {
-    char what[64];
-    snprintf (what, sizeof what, "seed %u crash mode %d", seed, mode);
-    check_hits_equal_backing (&r, what);
-  }
+  check_hits_equal_backing (&r, "seed %u crash mode %d", seed, mode);
   run_free (&r);
 }
 
