@@ -37,7 +37,8 @@
  *
  *   W1. bcf_bypass_begin (tracker raised);
  *   W2. bcf_invalidate (span, durable): removes cached data and any check
- *       key, journalled where anything was cached;
+ *       key, journalled where anything was cached or could come back
+ *       after a crash (core/alloc.c: unpersisted gens);
  *   W3. writethrough only: bcf_miss_begin, a check key of our own over
  *       the whole blocks of the request;
  *   W4. the backing write;

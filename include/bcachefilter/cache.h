@@ -183,9 +183,11 @@ void bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m);
 
 /* ---- Writes and invalidation ------------------------------------------- */
 
-/* Remove [offset, offset + len) from the cache (journalled).  With
- * durable, returns only once the invalidation is on the journal (the
- * bypass-write ordering of DESIGN.md).  Returns 0 or -errno. */
+/* Remove [offset, offset + len) from the cache, journalled wherever the
+ * range could hold data after a crash (a range that holds no key costs
+ * nothing).  With durable, returns only once such an invalidation is on
+ * the journal (the bypass-write ordering of DESIGN.md).  Returns 0 or
+ * -errno. */
 int bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
                     bool durable);
 
