@@ -198,16 +198,14 @@ can_invalidate (const struct bucket *b)
          (uint8_t) (b->gen - b->last_gc) < BUCKET_GC_GEN_MAX;
 }
 
-/* a->unpersisted += delta.  Under alloc.lock (the only writers); release,
- * so that a new gen published after it implies it. */
+/* a->unpersisted += delta (+1 or -1).  Release, so that a new gen
+ * published after it implies it. */
 static void
 add_unpersisted (struct alloc_state *a, int delta)
 {
-  uint_fast64_t n = atomic_load_explicit (&a->unpersisted,
-                                          memory_order_relaxed);
-
-  atomic_store_explicit (&a->unpersisted, n + (uint_fast64_t) (int64_t) delta,
-                         memory_order_release);
+  atomic_fetch_add_explicit (&a->unpersisted,
+                             (uint_fast64_t) (int64_t) delta,
+                             memory_order_release);
 }
 
 /* Record that gen is persisted for b.  Under alloc.lock. */

@@ -98,9 +98,8 @@ keyset_share_put (struct keyset_share *sh)
   }
 }
 
-/* Make s->k the set's own, with room for at least cap keys. */
-static int
-unshare (struct keyset *s, size_t cap)
+int
+keyset_unshare (struct keyset *s)
 {
   struct keyset_share *sh = s->share;
   struct ckey *k;
@@ -113,24 +112,15 @@ unshare (struct keyset *s, size_t cap)
     s->share = NULL;
     return 0;
   }
-  if (cap < s->cap)
-    cap = s->cap;
-  k = malloc ((cap ? cap : 1) * sizeof *k);
+  k = malloc ((s->cap ? s->cap : 1) * sizeof *k);
   if (!k)
     return -ENOMEM;
   if (s->nr)
     memcpy (k + s->head, s->k, s->nr * sizeof *k);
   s->k = k + s->head;
-  s->cap = cap;
   s->share = NULL;
   keyset_share_put (sh);
   return 0;
-}
-
-int
-keyset_unshare (struct keyset *s)
-{
-  return unshare (s, 0);
 }
 
 /* ---- sets ------------------------------------------------------------------ */
@@ -152,15 +142,23 @@ keyset_init (struct keyset *s, bool keep_whiteouts)
   s->keep_whiteouts = keep_whiteouts;
 }
 
-void
-keyset_free (struct keyset *s)
+/* Let go of the set's array: drop our reference if it is shared, else
+ * free it.  The fields are the caller's to reset. */
+static void
+drop_array (struct keyset *s)
 {
   if (s->share)
     keyset_share_put (s->share);
   else if (s->k)
     free (s->k - s->head);
-  s->k = NULL;
   s->share = NULL;
+}
+
+void
+keyset_free (struct keyset *s)
+{
+  drop_array (s);
+  s->k = NULL;
   s->nr = s->cap = s->head = 0;
   s->words = s->ndirty = 0;
 }
@@ -180,17 +178,16 @@ keyset_clear (struct keyset *s)
 
 /* Make the set's own array hold n keys.  A new array gets the room
  * after the keys (appending), or with centred, half of it before them
- * (inserting anywhere: see insert_at). */
+ * (inserting anywhere: see insert_at); it is also the set's own copy of
+ * a shared one. */
 static int
 reserve (struct keyset *s, size_t n, bool centred)
 {
   size_t cap, head;
   struct ckey *k;
 
-  if (unshare (s, 0) < 0)
-    return -ENOMEM;
   if (n <= s->cap && (centred || n <= s->cap - s->head))
-    return 0;
+    return keyset_unshare (s);
   cap = s->cap ? s->cap : 16;
   while (cap < n)
     cap *= 2;
@@ -200,8 +197,7 @@ reserve (struct keyset *s, size_t n, bool centred)
     return -ENOMEM;
   if (s->nr)
     memcpy (k + head, s->k, s->nr * sizeof *k);
-  if (s->k)
-    free (s->k - s->head);
+  drop_array (s);
   s->k = k + head;
   s->head = head;
   s->cap = cap;

@@ -110,10 +110,7 @@ struct alloc_state {
   unsigned nprio;
   uint64_t prio_seq;
   atomic_uint waiting;      /* threads waiting for a bucket (GC pacing) */
-  /* Buckets whose gen in memory is not the one persisted (gen !=
-   * disk_gen): their stale keys would be valid again after a crash.
-   * Written under lock, read without it (bcf_invalidate): see
-   * alloc_gens_unpersisted. */
+  /* Buckets with gen != disk_gen; the rule is in alloc.c's header. */
   atomic_uint_fast64_t unpersisted;
   uint64_t sectors_to_gc;   /* GC trigger countdown */
   uint64_t rescale_sectors; /* prio decay countdown */

@@ -277,9 +277,10 @@ batch_ready (const struct bcf_req *r)
  * docs/BENCHMARKS.md, 4 ms instead of 1 ms took a third of the
  * submissions and 8% of the CPU per request off a cold 70/30 run, with
  * no change to cold zipf reads; longer gained nothing more, as batches
- * then fill up first.  The delay is harmless to correctness (the check key decides
- * whether a late fill may insert) and costs a client nothing: it has its
- * data already; a re-read inside the window misses again.  queue_fill
+ * then fill up first.  The delay is harmless to correctness (the check
+ * key decides whether a late fill may insert) and costs a client
+ * nothing: it has its data already; a re-read inside the window misses
+ * again.  queue_fill
  * wakes a worker only when the queue becomes non-empty or a batch is
  * full, so a lingering worker is not woken by every miss. */
 static void *
