@@ -340,6 +340,7 @@ split_node (struct bcf_cache *c, struct btree_node *n)
   n2 = node_new (c, n->level, b2, &n->key);
   if (!n1 || !n2)
     return -ENOMEM;
+  n1->jseq = n2->jseq = n->jseq;
   for (size_t i = 0; i < n->keys.nr; i++)
     if ((r = keyset_append (i < m ? &n1->keys : &n2->keys, &n->keys.k[i])) < 0)
       return r;
@@ -401,6 +402,7 @@ btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
   x = node_new (c, 0, b, &m->key);
   if (!x)
     return -ENOMEM;
+  x->jseq = n->jseq > m->jseq ? n->jseq : m->jseq;
   if ((r = keyset_reserve (&x->keys, n->keys.nr + m->keys.nr)) < 0)
     return r;
   for (size_t k = 0; k < n->keys.nr; k++)
@@ -422,7 +424,8 @@ btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
 
 /* Insert one piece that lies inside leaf n. */
 static int
-leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k)
+leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
+             uint64_t jseq)
 {
   size_t before = n->keys.nr;
   int r;
@@ -430,6 +433,8 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k)
   if ((r = keyset_insert (&n->open, k)) < 0 ||
       (r = keyset_insert (&n->keys, k)) < 0)
     return r;
+  if (jseq > n->jseq)
+    n->jseq = jseq;
   c->tree.nkeys += n->keys.nr - before;
   if (n->keys.nr > c->tree.max_leaf_keys) {
     r = split_node (c, n);
@@ -454,7 +459,7 @@ piece_in_leaf (const struct btree_node *n, const struct ckey *k, uint64_t pos)
 }
 
 int
-btree_insert_locked (struct bcf_cache *c, const struct ckey *k)
+btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
 {
   uint64_t pos = ckey_start (k);
   struct ckey need;
@@ -470,7 +475,7 @@ btree_insert_locked (struct bcf_cache *c, const struct ckey *k)
     if (!n)
       return -EIO;
     p = piece_in_leaf (n, k, pos);
-    if ((r = leaf_insert (c, n, &p)) < 0)
+    if ((r = leaf_insert (c, n, &p, jseq)) < 0)
       return r;
     pos = ckey_end (&p);
   }
@@ -499,7 +504,7 @@ btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
       return -EEXIST;
     pos = ckey_end (&p);
   }
-  return btree_insert_locked (c, k);
+  return btree_insert_locked (c, k, 0);
 }
 
 /* ---- the node cache -------------------------------------------------------- */

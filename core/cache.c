@@ -287,6 +287,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
 {
   for (;;) {
     struct ckey need;
+    uint64_t s = 0;
     int r;
 
     pthread_rwlock_wrlock (&c->tree_lock);
@@ -298,7 +299,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
       continue;
     }
     if (seq) {
-      uint64_t s = journal_add_key_locked (c, k);
+      s = journal_add_key_locked (c, k);
       if (s == 0) {
         pthread_rwlock_unlock (&c->tree_lock);
         if ((r = journal_make_room (c)) < 0)
@@ -308,7 +309,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
       if (s > *seq)
         *seq = s;
     }
-    r = btree_insert_locked (c, k);
+    r = btree_insert_locked (c, k, s);
     pthread_rwlock_unlock (&c->tree_lock);
     return r;
   }
@@ -740,13 +741,16 @@ enum range_state {
  * after a crash before that its old keys are valid again, and an
  * invalidation that was not journalled would let them come back with old
  * data.  (Stale keys already dropped from memory are bcf_invalidate's
- * other check.)  Under tree_lock. */
+ * other check.)  *jseq: the newest journal entry holding a key inserted
+ * into the leaves of the range (see bcf_invalidate).  Under tree_lock. */
 static enum range_state
-range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
+range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
+                    uint64_t *jseq)
 {
   enum range_state st = RANGE_EMPTY;
   uint64_t pos = s;
 
+  *jseq = 0;
   while (pos < e) {
     struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
     const struct keyset *ks;
@@ -754,6 +758,8 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
 
     if (!leaf || leaf->evicted)
       return RANGE_CACHED;    /* not in memory: assume cached (safe) */
+    if (leaf->jseq > *jseq)
+      *jseq = leaf->jseq;
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
       const struct ckey *k = &ks->k[i];
@@ -774,7 +780,7 @@ int
 bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
                 bool durable)
 {
-  uint64_t s, e, seq = 0;
+  uint64_t s, e, seq = 0, jseq;
   enum range_state st;
   bool unpersisted, journal;
   int r;
@@ -785,7 +791,7 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
   pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e);
+  st = range_state_locked (c, s, e, &jseq);
   /* After the look at the tree: a key dropped as stale before it (GC, a
    * check key inserted over it) was dropped because its bucket's gen was
    * bumped, and that bump was counted before it was visible; while it is
@@ -804,17 +810,29 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
    * our caller's tracker registration (request.c's protocol), and a
    * bcf_insert racing with us is a concurrent write of the same range, in
    * either order.  So a write to a range nobody cached costs no key in
-   * the node's open set (written at the next checkpoint) and no insert. */
-  if (st == RANGE_EMPTY && !unpersisted)
-    return 0;
-  journal = st == RANGE_CACHED || unpersisted;
-  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
-    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
-    struct ckey w = range_piece (c, p, pe, s, false, 0, false);
-    if ((r = insert_key (c, &w, journal ? &seq : NULL)) < 0)
-      return r;
+   * the node's open set (written at the next checkpoint) and no insert.
+   *
+   * Durable: the caller's backing write must not start before every
+   * whiteout that removed data a crash could bring back is durable —
+   * ours, and any earlier one not yet written: an invalidation on the
+   * read path (durable = false), or a concurrent writer's that is still
+   * waiting for its journal write.  Such a whiteout leaves no key in the
+   * merged set, so our look can find the range EMPTY where it was; the
+   * leaf remembers it in jseq (inherited through splits and merges), and
+   * we wait for that entry too: a wait only while it is not yet written,
+   * and only for writers in the same leaf. */
+  if (st != RANGE_EMPTY || unpersisted) {
+    journal = st == RANGE_CACHED || unpersisted;
+    for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+      uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+      struct ckey w = range_piece (c, p, pe, s, false, 0, false);
+      if ((r = insert_key (c, &w, journal ? &seq : NULL)) < 0)
+        return r;
+    }
   }
-  if (journal && durable)
+  if (jseq > seq)
+    seq = jseq;
+  if (durable && seq)
     return journal_flush_seq (c, seq);
   return 0;
 }

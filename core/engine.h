@@ -189,6 +189,10 @@ struct btree_node {
   bool evicted;             /* clean leaf whose keys were dropped from
                                memory: load it (btree_load_evicted) before
                                use */
+  /* Leaves: the newest journal entry that holds a key inserted here (or
+   * into the leaves this one was split or merged from); never lowered.
+   * bcf_invalidate waits for it (cache.c says why). */
+  uint64_t jseq;
   uint64_t last_use;        /* lru_clock at the last use (atomic) */
   struct btree_node *hash_next;
 };
@@ -222,7 +226,9 @@ int btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
 /* Extent insert (journalled or not), under tree_lock held for writing.
  * Returns 0, -EAGAIN (a split needs btree buckets: drop the lock,
  * alloc_refill, retry) or -ENOMEM. */
-int btree_insert_locked (struct bcf_cache *c, const struct ckey *k);
+/* jseq: the journal entry holding k, 0 if k is not journalled. */
+int btree_insert_locked (struct bcf_cache *c, const struct ckey *k,
+                         uint64_t jseq);
 /* Replace insert: k only if [start, end) still holds expect.  Returns 0,
  * -EEXIST (collision), -EAGAIN or -ENOMEM.  Under tree_lock (write). */
 int btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
@@ -330,9 +336,10 @@ struct journal_replay {
 int journal_read (struct bcf_cache *c, struct journal_replay *r,
                   char *err, size_t errlen);
 /* Feed the kept keys, in order, to cb; then drop them. */
+/* cb gets each key and the seq of the entry holding it. */
 int journal_replay (struct bcf_cache *c,
                     int (*cb) (struct bcf_cache *c, const struct ckey *k,
-                               void *opaque),
+                               uint64_t seq, void *opaque),
                     void *opaque, uint64_t *nkeys, char *err, size_t errlen);
 void journal_replay_done (struct bcf_cache *c);
 /* Would an ordinary entry (not a checkpoint or prio commit) fail to find

@@ -453,7 +453,8 @@ scan_bucket (struct bcf_cache *c, unsigned b, uint8_t *buf,
 
 static int
 replay_keys (struct bcf_cache *c, const struct jentry *e,
-             int (*cb) (struct bcf_cache *, const struct ckey *, void *),
+             int (*cb) (struct bcf_cache *, const struct ckey *, uint64_t,
+                        void *),
              void *opaque, uint64_t *nkeys, char *err, size_t errlen)
 {
   const uint8_t *p = (const uint8_t *) e->keys;
@@ -483,7 +484,7 @@ replay_keys (struct bcf_cache *c, const struct jentry *e,
                 e->seq);
       return -ENOTSUP;
     }
-    if ((r = cb (c, &k, opaque)) < 0) {
+    if ((r = cb (c, &k, e->seq, opaque)) < 0) {
       snprintf (err, errlen, "replaying journal entry %" PRIu64 ": %s",
                 e->seq, strerror (-r));
       return r;
@@ -577,7 +578,7 @@ journal_read (struct bcf_cache *c, struct journal_replay *rp, char *err,
 int
 journal_replay (struct bcf_cache *c,
                 int (*cb) (struct bcf_cache *c, const struct ckey *k,
-                           void *opaque),
+                           uint64_t seq, void *opaque),
                 void *opaque, uint64_t *nkeys, char *err, size_t errlen)
 {
   struct journal *j = &c->journal;

@@ -394,12 +394,13 @@ new_superblock (struct bcf_cache *c, char *err, size_t errlen)
 /* ---- open ------------------------------------------------------------------------ */
 
 static int
-replay_one (struct bcf_cache *c, const struct ckey *k, void *opaque)
+replay_one (struct bcf_cache *c, const struct ckey *k, uint64_t seq,
+            void *opaque)
 {
   int r;
 
   pthread_rwlock_wrlock (&c->tree_lock);
-  r = btree_insert_locked (c, k);
+  r = btree_insert_locked (c, k, seq);
   pthread_rwlock_unlock (&c->tree_lock);
   return r;
 }

@@ -21,7 +21,9 @@
  * Also here: a block whose bucket was reclaimed and reused is not
  * brought back by recovery (test_gen_reuse_crash); nor is a key dropped
  * from memory as stale before its bucket's new gen was persisted
- * (test_stale_drop_crash); and recovery tolerates a torn newest journal
+ * (test_stale_drop_crash); a durable invalidation waits for a whiteout
+ * of its range still on its way to the journal (test_pending_whiteout_
+ * crash); and recovery tolerates a torn newest journal
  * entry and refuses a gap in the middle of the journal.
  */
 #include "config.h"
@@ -765,6 +767,88 @@ START_TEST (test_stale_drop_crash)
 }
 END_TEST
 
+/* ---- durable invalidations ------------------------------------------------- */
+
+static const int crash_modes[3] = {
+  BCF_IO_CRASH_LOSE_ALL, BCF_IO_CRASH_KEEP_ALL, BCF_IO_CRASH_RANDOM,
+};
+
+static uint64_t
+journal_writes (struct run *r)
+{
+  uint64_t w;
+
+  pthread_mutex_lock (&r->c->journal.lock);
+  w = r->c->journal.writes;
+  pthread_mutex_unlock (&r->c->journal.lock);
+  return w;
+}
+
+static void
+assert_block0_hit (struct run *r, const char *what)
+{
+  struct bcf_extent e;
+  unsigned n;
+
+  ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind == BCF_EXTENT_HIT, "seed %u: block 0 is not cached "
+                 "(%s)", seed, what);
+}
+
+/* Block 0 is not a hit after a crash in `mode`, and every hit matches
+ * the backing store. */
+static void
+crash_and_check_block0 (struct run *r, int mode, const char *what)
+{
+  struct bcf_extent e;
+  unsigned n;
+
+  bcf_cache_test_crash (r->c, seed, mode);
+  r->c = NULL;
+  run_open (r, BCF_FORMAT_NEVER, true);
+  ck_assert_int_eq (bcf_cache_fsck (r->c, NULL, 0), 0);
+  ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (%s): "
+                 "block 0's old key is a hit after recovery, though its "
+                 "invalidation was acknowledged as durable", seed, mode,
+                 what);
+  check_hits_equal_backing (r, "seed %u crash mode %d (%s)", seed, mode,
+                            what);
+}
+
+/* A whiteout journalled but not yet written — an invalidation on the read
+ * path (not durable), or a concurrent writer's still waiting for its
+ * journal write — leaves no key behind in the merged set.  A durable
+ * invalidation of the same range that finds nothing there must still wait
+ * for that entry before its caller changes the backing store. */
+START_TEST (test_pending_whiteout_crash)
+{
+  for (unsigned i = 0; i < 3; i++) {
+    const int mode = crash_modes[i];
+    struct run r;
+    uint64_t w0;
+    bool waited;
+
+    rng_state = seed * 17 + (unsigned) mode;
+    run_init (&r, "pending.img", 16u << 20, 16);
+    backing_write_random (&r, 0, 1);
+    ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+    assert_block0_hit (&r, "inserted and checkpointed");
+
+    ck_assert_int_eq (bcf_invalidate (r.c, 0, BLOCK, false), 0);
+    w0 = journal_writes (&r);
+    ck_assert_int_eq (bcf_invalidate (r.c, 0, BLOCK, true), 0);
+    waited = journal_writes (&r) > w0;
+    backing_write_random (&r, 0, 1);
+    crash_and_check_block0 (&r, mode, "whiteout pending");
+    ck_assert_msg (waited, "seed %u: a durable invalidation returned before "
+                   "the pending whiteout of its range was written", seed);
+    run_free (&r);
+  }
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -791,6 +875,7 @@ main (void)
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);
   add (s, "stale_drop_crash", test_stale_drop_crash);
+  add (s, "pending_whiteout_crash", test_pending_whiteout_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
