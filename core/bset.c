@@ -242,6 +242,17 @@ keyset_search (const struct keyset *s, uint64_t inode, uint64_t sector)
   return lo;
 }
 
+bool
+keyset_contains (const struct keyset *s, const struct ckey *k)
+{
+  /* Keys do not overlap, so the only candidate is the first one ending
+   * after k's start. */
+  size_t i = keyset_search (s, ckey_inode (k), ckey_start (k));
+
+  return i < s->nr && s->k[i].high == k->high && s->k[i].low == k->low &&
+         (!ckey_has_ptr (k) || s->k[i].ptr == k->ptr);
+}
+
 /* Insert at index i, moving the shorter side of the array: the keys
  * before i down into the room before the array, or those from i up into
  * the room after it.  A leaf holds thousands of keys and a miss inserts

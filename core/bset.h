@@ -152,6 +152,10 @@ static inline size_t keyset_bytes (const struct keyset *s)
 size_t keyset_search (const struct keyset *s, uint64_t inode,
                       uint64_t sector);
 
+/* Does the set hold exactly k (same range, pointer and flags)?  For an
+ * extent set, whose keys never overlap. */
+bool keyset_contains (const struct keyset *s, const struct ckey *k);
+
 /* Extent insert (level 0): trims/splits older overlapping keys, then adds
  * k (unless it is a whiteout and the set drops whiteouts).  Returns 0 or
  * -ENOMEM (the set is unchanged on failure).  Zero-size keys are ignored. */

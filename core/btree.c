@@ -8,7 +8,8 @@
  * whose checksums are seeded by the node's pointer.
  *
  * In memory every node has a merged, sorted key set (what lookups read)
- * and an open set: what changed since the node was last written.  A leaf
+ * and an open set: what changed since the node was last written (which
+ * also tells bcf_invalidate which keys nothing on disk holds yet).  A leaf
  * never holds an extent crossing its range (previous key, key]: inserts
  * are cut at node boundaries, so every leaf is self-contained.
  *
@@ -309,6 +310,53 @@ btree_free_buckets (struct bcf_cache *c)
   return n;
 }
 
+/* A leaf made from others (split, merge) keeps their open sets' keys in
+ * its own open set, with open_jdata and jseq: it is written whole
+ * (rewrite), so its open set serves only to tell which keys nothing on
+ * disk holds yet (cache.c's key_only_in_memory), and those keys are still
+ * only in memory.  Without this every split would make its keys look
+ * persistent until the next checkpoint.  side < 0 takes the part of
+ * from's open set before position mid, side > 0 the part after it,
+ * side == 0 all of it. */
+static int
+inherit_open (struct btree_node *to, const struct btree_node *from,
+              const struct ckey *mid, int side)
+{
+  for (size_t i = 0; i < from->open.nr; i++) {
+    struct ckey k = from->open.k[i];
+    int r;
+
+    if (side != 0) {
+      uint64_t ki = ckey_inode (&k), mi = ckey_inode (mid);
+      uint64_t s = ckey_start (&k), e = ckey_end (&k), m = ckey_end (mid);
+
+      if (ki != mi) {
+        if ((ki < mi) != (side < 0))
+          continue;
+      }
+      else if (side < 0) {
+        if (s >= m)
+          continue;
+        if (e > m)
+          ckey_cut_back (&k, e - m);
+      }
+      else {
+        if (e <= m)
+          continue;
+        if (s < m)
+          ckey_cut_front (&k, m - s);
+      }
+    }
+    if ((r = keyset_append (&to->open, &k)) < 0)
+      return r;
+  }
+  if (from->open_jdata)
+    to->open_jdata = true;
+  if (from->jseq > to->jseq)
+    to->jseq = from->jseq;
+  return 0;
+}
+
 /* Split node n in two (and its ancestors as needed).  Returns 0, or
  * -EAGAIN when there are not enough free buckets now. */
 static int
@@ -340,10 +388,13 @@ split_node (struct bcf_cache *c, struct btree_node *n)
   n2 = node_new (c, n->level, b2, &n->key);
   if (!n1 || !n2)
     return -ENOMEM;
-  n1->jseq = n2->jseq = n->jseq;
   for (size_t i = 0; i < n->keys.nr; i++)
     if ((r = keyset_append (i < m ? &n1->keys : &n2->keys, &n->keys.k[i])) < 0)
       return r;
+  if (n->level == 0 &&
+      ((r = inherit_open (n1, n, &k1, -1)) < 0 ||
+       (r = inherit_open (n2, n, &k1, 1)) < 0))
+    return r;
 
   if (!parent) {
     struct ckey range = ckey_make (BKEY_MAX_INODE, BKEY_MAX_OFFSET, 0, false,
@@ -402,13 +453,15 @@ btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
   x = node_new (c, 0, b, &m->key);
   if (!x)
     return -ENOMEM;
-  x->jseq = n->jseq > m->jseq ? n->jseq : m->jseq;
   if ((r = keyset_reserve (&x->keys, n->keys.nr + m->keys.nr)) < 0)
     return r;
   for (size_t k = 0; k < n->keys.nr; k++)
     keyset_append (&x->keys, &n->keys.k[k]);
   for (size_t k = 0; k < m->keys.nr; k++)
     keyset_append (&x->keys, &m->keys.k[k]);
+  if ((r = inherit_open (x, n, NULL, 0)) < 0 ||
+      (r = inherit_open (x, m, NULL, 0)) < 0)
+    return r;
   if ((r = keyset_del (&p->keys, &n->key)) < 0 ||
       (r = keyset_put (&p->keys, &x->key)) < 0)
     return r;
@@ -433,8 +486,12 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
   if ((r = keyset_insert (&n->open, k)) < 0 ||
       (r = keyset_insert (&n->keys, k)) < 0)
     return r;
-  if (jseq > n->jseq)
-    n->jseq = jseq;
+  if (jseq) {
+    if (jseq > n->jseq)
+      n->jseq = jseq;
+    if (ckey_has_ptr (k) && !ckey_is_check (k))
+      n->open_jdata = true;
+  }
   c->tree.nkeys += n->keys.nr - before;
   if (n->keys.nr > c->tree.max_leaf_keys) {
     r = split_node (c, n);
@@ -1007,7 +1064,9 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     if (!len)
       return s->err = -ENOMEM;
     n->written = len;
-    keyset_clear (&n->open);
+    keyset_free (&n->open);       /* its array too: splits fill it */
+    keyset_init (&n->open, n->level == 0);
+    n->open_jdata = false;
   }
   else {
     size_t len = capture_bset (c, s->ck, n, &n->open, true, n->written);
@@ -1016,6 +1075,7 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     n->written += len;
     keyset_free (&n->open);
     keyset_init (&n->open, n->level == 0);
+    n->open_jdata = false;
   }
   n->rewrite = false;
   return 0;
@@ -1183,6 +1243,9 @@ btree_checkpoint (struct bcf_cache *c)
       c->failed = true;
     return r == -EAGAIN ? -ENOSPC : r;
   }
+
+  if (c->test_ckpt_hook)
+    c->test_ckpt_hook (c, c->test_ckpt_hook_opaque);
 
   /* Phase 2: encode what the snapshot captured (no lock held: lookups and
    * inserts go on), then data first, then nodes level by level, each

@@ -280,14 +280,91 @@ to_sectors (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return 0;
 }
 
-/* Insert under the tree lock, journalled if seq is non-NULL.  Handles a
- * full journal entry by dropping the lock and making room. */
+/* What [s, e) holds, as an invalidation sees it (bcf_invalidate). */
+enum range_state {
+  RANGE_EMPTY,                /* no key at all */
+  RANGE_VOLATILE,             /* check keys, and data keys only memory has */
+  RANGE_PERSISTENT,           /* a data key a crash could bring back, or a
+                                 leaf not in memory */
+};
+
+/* Is data key k of leaf n only in memory: inserted since n's open set
+ * was last captured by a checkpoint, and not journalled?  Then no
+ * recovery can bring it back.  A key in the open set is exactly one
+ * inserted since the capture: a capture takes the whole open set, a
+ * split or merge hands its open set on to the new nodes (btree.c's
+ * inherit_open), and a pointer is never inserted twice (a fill writes to
+ * newly allocated space).  Keys cut by later inserts are cut alike in
+ * both sets, so the pieces still match.
+ * open_jdata covers keys the journal holds: bcf_insert's, and those
+ * replayed at open (which a writable open then checkpoints anyway). */
+static bool
+key_only_in_memory (const struct btree_node *n, const struct ckey *k)
+{
+  return !n->open_jdata && keyset_contains (&n->open, k);
+}
+
+/* Look at [s, e) under tree_lock.  Any data key counts, stale ones too: a
+ * bucket invalidated in memory gets its new gen persisted only with the
+ * next prio write, so after a crash before that its old keys are valid
+ * again.  (Stale keys already dropped from memory are bcf_invalidate's
+ * other check.)  *jseq: the newest journal entry holding a key inserted
+ * into the leaves of the range (see bcf_invalidate). */
+static enum range_state
+range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
+                    uint64_t *jseq)
+{
+  enum range_state st = RANGE_EMPTY;
+  uint64_t pos = s;
+
+  *jseq = 0;
+  while (pos < e) {
+    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
+    const struct keyset *ks;
+    uint64_t leaf_end;
+
+    if (!leaf || leaf->evicted)
+      return RANGE_PERSISTENT;    /* not in memory: assume cached (safe) */
+    if (leaf->jseq > *jseq)
+      *jseq = leaf->jseq;
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
+      const struct ckey *k = &ks->k[i];
+      if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
+        break;
+      if (ckey_has_ptr (k) && !ckey_is_check (k) &&
+          !key_only_in_memory (leaf, k))
+        return RANGE_PERSISTENT;
+      st = RANGE_VOLATILE;
+    }
+    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
+               : UINT64_MAX;
+    pos = leaf_end;
+  }
+  return st;
+}
+
+/* How insert_key journals its key. */
+enum journal_how {
+  JOURNAL_NEVER,              /* check keys: memory only */
+  JOURNAL_ALWAYS,             /* data keys of writes (bcf_insert) */
+  JOURNAL_IF_PERSISTENT,      /* whiteouts: where a crash could bring back
+                                 what they remove (bcf_invalidate) */
+};
+
+/* Insert under the tree lock, journalled as `how` says.  *seq (if not
+ * NULL) is raised to the journal entry the caller must make durable for
+ * the insert to be: the key's own entry, and for JOURNAL_IF_PERSISTENT
+ * also the leaves' jseq.  Handles a full journal entry by dropping the
+ * lock and making room. */
 static int
-insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
+insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
+            uint64_t *seq)
 {
   for (;;) {
     struct ckey need;
     uint64_t s = 0;
+    bool journal = how == JOURNAL_ALWAYS;
     int r;
 
     pthread_rwlock_wrlock (&c->tree_lock);
@@ -298,7 +375,17 @@ insert_key (struct bcf_cache *c, const struct ckey *k, uint64_t *seq)
         return r;
       continue;
     }
-    if (seq) {
+    if (how == JOURNAL_IF_PERSISTENT) {
+      /* Decided here, under the lock the insert holds: a checkpoint's
+       * capture cannot come between the look and the insert. */
+      uint64_t leaf_seq;
+      journal = range_state_locked (c, ckey_start (k), ckey_end (k),
+                                    &leaf_seq) == RANGE_PERSISTENT ||
+                alloc_gens_unpersisted (c);
+      if (leaf_seq > *seq)
+        *seq = leaf_seq;
+    }
+    if (journal) {
       s = journal_add_key_locked (c, k);
       if (s == 0) {
         pthread_rwlock_unlock (&c->tree_lock);
@@ -545,7 +632,7 @@ bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
     uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
     struct ckey k = range_piece (c, p, pe, s, true, m->check_ptr, false);
-    if ((r = insert_key (c, &k, NULL)) < 0)
+    if ((r = insert_key (c, &k, JOURNAL_NEVER, NULL)) < 0)
       return r;
   }
   return 0;
@@ -728,61 +815,44 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
 
 /* ---- writes and invalidation ------------------------------------------------------ */
 
-/* What [s, e) holds in memory. */
-enum range_state {
-  RANGE_EMPTY,                /* no key at all */
-  RANGE_CHECK_KEYS,           /* check keys (misses in flight), no data */
-  RANGE_CACHED,               /* a data pointer, or a leaf not in memory */
-};
-
-/* RANGE_CACHED: could [s, e) hold cached data after a crash?  Any key
- * with a data pointer counts, stale ones too: a bucket invalidated in
- * memory gets its new gen persisted only with the next prio write, so
- * after a crash before that its old keys are valid again, and an
- * invalidation that was not journalled would let them come back with old
- * data.  (Stale keys already dropped from memory are bcf_invalidate's
- * other check.)  *jseq: the newest journal entry holding a key inserted
- * into the leaves of the range (see bcf_invalidate).  Under tree_lock. */
-static enum range_state
-range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
-                    uint64_t *jseq)
-{
-  enum range_state st = RANGE_EMPTY;
-  uint64_t pos = s;
-
-  *jseq = 0;
-  while (pos < e) {
-    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
-    const struct keyset *ks;
-    uint64_t leaf_end;
-
-    if (!leaf || leaf->evicted)
-      return RANGE_CACHED;    /* not in memory: assume cached (safe) */
-    if (leaf->jseq > *jseq)
-      *jseq = leaf->jseq;
-    ks = &leaf->keys;
-    for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
-      const struct ckey *k = &ks->k[i];
-      if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
-        break;
-      if (ckey_has_ptr (k) && !ckey_is_check (k))
-        return RANGE_CACHED;
-      st = RANGE_CHECK_KEYS;
-    }
-    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
-               : UINT64_MAX;
-    pos = leaf_end;
-  }
-  return st;
-}
-
+/* An invalidation is journalled only where a crash could bring back what
+ * it removes; elsewhere the whiteout only has to reach the tree in memory
+ * (to remove what is there and make in-flight misses collide).  Recovery
+ * rebuilds the tree from committed nodes and replays the journal, so the
+ * keys it can bring back are those a checkpoint captured or the journal
+ * holds (RANGE_PERSISTENT), and stale keys dropped from memory while their
+ * bucket's new gen was not yet persisted (alloc_gens_unpersisted: read
+ * after the look at the tree, since a key dropped as stale before it was
+ * dropped because its gen was bumped, and that bump was counted before it
+ * was visible).  Keys only in memory (range_state_locked) cannot come
+ * back, so a write to a range a miss filled since the last checkpoint —
+ * a read-modify-write — costs no journal write and no flush.  The choice
+ * is made under the write lock of the insert itself (insert_key), so no
+ * checkpoint can capture a key between the look and the whiteout.
+ *
+ * Durable: the caller's backing write must not start before every
+ * whiteout that removed data a crash could bring back is durable — ours,
+ * and any earlier one not yet written: an invalidation on the read path
+ * (durable = false), or a concurrent writer's that is still waiting for
+ * its journal write.  Such a whiteout leaves no key in the merged set, so
+ * our look can see EMPTY or VOLATILE where it was; the leaf remembers it
+ * in jseq (inherited through splits and merges), and we wait for that
+ * entry too.  That is a wait only while the entry is not yet written, and
+ * only for writers in the same leaf.
+ *
+ * Where there is no key at all, and nothing unpersisted, there is nothing
+ * for a whiteout to do: a miss whose check key goes in after our look is
+ * ordered after our caller's tracker registration (request.c's protocol),
+ * and a bcf_insert racing with us is a concurrent write of the same range,
+ * in either order.  So a write to a range nobody cached costs no key in
+ * the node's open set (written at the next checkpoint) and no insert. */
 int
 bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
                 bool durable)
 {
-  uint64_t s, e, seq = 0, jseq;
+  uint64_t s, e, seq = 0;
   enum range_state st;
-  bool unpersisted, journal;
+  bool unpersisted;
   int r;
 
   if (c->opts.readonly)
@@ -791,47 +861,16 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
   pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e, &jseq);
-  /* After the look at the tree: a key dropped as stale before it (GC, a
-   * check key inserted over it) was dropped because its bucket's gen was
-   * bumped, and that bump was counted before it was visible; while it is
-   * not persisted, that key is valid on disk after a crash. */
+  st = range_state_locked (c, s, e, &seq);
   unpersisted = alloc_gens_unpersisted (c);
   pthread_rwlock_unlock (&c->tree_lock);
-  /* Where nothing is cached, the whiteout only has to reach the tree in
-   * memory (to make in-flight misses collide); it need not be journalled,
-   * since nothing on disk can bring data back.  A key inserted between the
-   * check and the insert below was journalled itself, and our whiteout,
-   * inserted after it, wins in memory; on disk that key is only there if
-   * it was flushed, and then its write was acknowledged before ours.
-   * Where there is no key at all, and no stale key can have been dropped
-   * from memory while valid on disk, there is nothing for a whiteout to
-   * do: a miss whose check key goes in after our look is ordered after
-   * our caller's tracker registration (request.c's protocol), and a
-   * bcf_insert racing with us is a concurrent write of the same range, in
-   * either order.  So a write to a range nobody cached costs no key in
-   * the node's open set (written at the next checkpoint) and no insert.
-   *
-   * Durable: the caller's backing write must not start before every
-   * whiteout that removed data a crash could bring back is durable —
-   * ours, and any earlier one not yet written: an invalidation on the
-   * read path (durable = false), or a concurrent writer's that is still
-   * waiting for its journal write.  Such a whiteout leaves no key in the
-   * merged set, so our look can find the range EMPTY where it was; the
-   * leaf remembers it in jseq (inherited through splits and merges), and
-   * we wait for that entry too: a wait only while it is not yet written,
-   * and only for writers in the same leaf. */
-  if (st != RANGE_EMPTY || unpersisted) {
-    journal = st == RANGE_CACHED || unpersisted;
+  if (st != RANGE_EMPTY || unpersisted)
     for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
       uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
       struct ckey w = range_piece (c, p, pe, s, false, 0, false);
-      if ((r = insert_key (c, &w, journal ? &seq : NULL)) < 0)
+      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, &seq)) < 0)
         return r;
     }
-  }
-  if (jseq > seq)
-    seq = jseq;
   if (durable && seq)
     return journal_flush_seq (c, seq);
   return 0;
@@ -868,7 +907,7 @@ bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
       atomic_fetch_add (&c->stats.device_errors, 1);
     else {
       k = range_piece (c, p, pe, p, true, ptr, dirty);
-      r = insert_key (c, &k, &seq);
+      r = insert_key (c, &k, JOURNAL_ALWAYS, &seq);
     }
     alloc_put (c, ptr);
   }

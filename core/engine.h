@@ -189,10 +189,13 @@ struct btree_node {
   bool evicted;             /* clean leaf whose keys were dropped from
                                memory: load it (btree_load_evicted) before
                                use */
-  /* Leaves: the newest journal entry that holds a key inserted here (or
+  /* Leaves, for bcf_invalidate (its header comment in cache.c says why):
+   * jseq is the newest journal entry that holds a key inserted here (or
    * into the leaves this one was split or merged from); never lowered.
-   * bcf_invalidate waits for it (cache.c says why). */
+   * open_jdata: the open set may hold a data key that a journal entry
+   * holds, so it survives a crash though no checkpoint wrote it. */
   uint64_t jseq;
+  bool open_jdata;
   uint64_t last_use;        /* lru_clock at the last use (atomic) */
   struct btree_node *hash_next;
 };
@@ -417,6 +420,11 @@ struct bcf_cache {
    * chain. */
   void (*test_prio_hook) (struct bcf_cache *c, void *opaque);
   void *test_prio_hook_opaque;
+  /* Test hook (NULL in production): called by btree_checkpoint after its
+   * snapshot captured the open sets and before it writes anything (no
+   * btree lock held): captured keys are on their way to disk. */
+  void (*test_ckpt_hook) (struct bcf_cache *c, void *opaque);
+  void *test_ckpt_hook_opaque;
 
   /* Background threads. */
   bool threads_running;

@@ -222,6 +222,36 @@ START_TEST (test_split_middle)
 }
 END_TEST
 
+/* keyset_contains finds exactly the keys the set holds: pieces cut by
+ * later inserts as they were cut, and nothing that differs in range,
+ * pointer or flags. */
+START_TEST (test_contains)
+{
+  struct keyset s;
+  struct ckey a = ckey_make (2, 200, 100, true, MAKE_PTR (7, 5000, 0), true);
+  struct ckey b = ckey_make (2, 150, 10, true, MAKE_PTR (8, 9000, 0), false);
+  struct ckey front = a, back = a, other = b, dirty = b;
+
+  ckey_cut_back (&front, 60);            /* [100, 140) at 5000 */
+  ckey_cut_front (&back, 50);            /* [150, 200) at 5050 */
+  other.ptr = MAKE_PTR (8, 9001, 0);
+  SET_KEY_DIRTY (ckey_bkey_mut (&dirty), true);
+
+  keyset_init (&s, true);
+  ck_assert (!keyset_contains (&s, &a));
+  ck_assert_int_eq (keyset_insert (&s, &a), 0);
+  ck_assert (keyset_contains (&s, &a));
+  ck_assert_int_eq (keyset_insert (&s, &b), 0);
+  ck_assert (!keyset_contains (&s, &a));
+  ck_assert (keyset_contains (&s, &front));
+  ck_assert (keyset_contains (&s, &b));
+  ck_assert (keyset_contains (&s, &back));
+  ck_assert (!keyset_contains (&s, &other));
+  ck_assert (!keyset_contains (&s, &dirty));
+  keyset_free (&s);
+}
+END_TEST
+
 /* A replace against a check key fails once anything touched the range,
  * even a write that was later overwritten by identical-looking data. */
 START_TEST (test_replace_collision)
@@ -279,6 +309,7 @@ bset_suite (void)
   tcase_set_timeout (tc, 600);
   tcase_add_test (tc, test_whiteouts_kept);
   tcase_add_test (tc, test_split_middle);
+  tcase_add_test (tc, test_contains);
   tcase_add_test (tc, test_replace_collision);
   tcase_add_test (tc, test_interior_put_del);
   tcase_add_test (tc, test_model_random);

@@ -23,7 +23,11 @@
  * from memory as stale before its bucket's new gen was persisted
  * (test_stale_drop_crash); a durable invalidation waits for a whiteout
  * of its range still on its way to the journal (test_pending_whiteout_
- * crash); and recovery tolerates a torn newest journal
+ * crash); an invalidation is journalled exactly where recovery could
+ * bring back what it removes — not for a key only memory has, even after
+ * its leaf split, but for one a checkpoint wrote or has captured, or the
+ * journal holds (test_invalidate_journal_choice, test_invalidate_
+ * captured_crash); and recovery tolerates a torn newest journal
  * entry and refuses a gap in the middle of the journal.
  */
 #include "config.h"
@@ -32,6 +36,7 @@
 #include <stdarg.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -773,6 +778,20 @@ static const int crash_modes[3] = {
   BCF_IO_CRASH_LOSE_ALL, BCF_IO_CRASH_KEEP_ALL, BCF_IO_CRASH_RANDOM,
 };
 
+/* How block 0 came to be cached before a write invalidates it. */
+enum before {
+  B_FILL,               /* a miss filled it: only memory has the key */
+  B_FILL_SPLIT,         /* ... and its leaf split since */
+  B_FILL_CKPT,          /* a miss filled it and a checkpoint wrote it */
+  B_INSERT,             /* bcf_insert: the journal holds the key */
+  B_REPLAYED,           /* bcf_insert, then a crash: replayed at open */
+  B_COUNT
+};
+static const char *const bname[] = {
+  "filled", "filled, leaf split since", "filled and checkpointed",
+  "inserted (journalled)", "inserted, replayed after a crash",
+};
+
 static uint64_t
 journal_writes (struct run *r)
 {
@@ -849,6 +868,125 @@ START_TEST (test_pending_whiteout_crash)
 }
 END_TEST
 
+/* A durable invalidation is journalled exactly where recovery could bring
+ * the key back, and after a power cut the key is gone either way. */
+static void
+invalidate_after (enum before how, int mode)
+{
+  struct run r;
+  uint64_t nodes, w0;
+  bool journalled, expect = how >= B_FILL_CKPT;
+
+  rng_state = seed * 13 + how;
+  run_init (&r, "inval.img", 16u << 20, 16);
+  backing_write_random (&r, 0, 1);
+  if (how >= B_INSERT) {
+    ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
+    if (how == B_REPLAYED) {
+      bcf_cache_test_crash (r.c, seed, BCF_IO_CRASH_KEEP_ALL);
+      r.c = NULL;
+      run_open (&r, BCF_FORMAT_NEVER, true);
+    }
+  }
+  else
+    ck_assert (step_read_fill (&r, 0, 1));
+  if (how == B_FILL_CKPT)
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  if (how == B_FILL_SPLIT) {
+    /* 8 KiB nodes hold ~270 keys: 400 more fills split block 0's leaf. */
+    nodes = r.c->tree.nnodes;
+    for (uint64_t blk = 2; blk < 802; blk += 2) {
+      backing_write_random (&r, blk, 1);
+      ck_assert (step_read_fill (&r, blk, 1));
+    }
+    ck_assert_uint_gt (r.c->tree.nnodes, nodes);
+  }
+  assert_block0_hit (&r, bname[how]);
+
+  /* The write: invalidate durably, then change the backing store. */
+  w0 = journal_writes (&r);
+  ck_assert_int_eq (bcf_invalidate (r.c, 0, BLOCK, true), 0);
+  journalled = journal_writes (&r) > w0;
+  backing_write_random (&r, 0, 1);
+  /* Safety first, then whether it cost a journal write where none was
+   * needed (or skipped one that was). */
+  crash_and_check_block0 (&r, mode, bname[how]);
+  ck_assert_msg (journalled == expect, "seed %u: block 0 %s: the durable "
+                 "invalidation %s journalled", seed, bname[how],
+                 journalled ? "was" : "was not");
+  run_free (&r);
+}
+
+START_TEST (test_invalidate_journal_choice)
+{
+  for (int how = 0; how < B_COUNT; how++)
+    for (unsigned i = 0; i < 3; i++)
+      invalidate_after (how, crash_modes[i]);
+}
+END_TEST
+
+/* A checkpoint captured block 0's key (so it is on its way to disk) and
+ * has not committed yet when a write invalidates block 0: the key is no
+ * longer in its leaf's open set, so the invalidation is journalled, and
+ * after the commit and a power cut block 0 is not a hit. */
+struct capture_window {
+  struct run *r;
+  pthread_t writer;
+  bool started;
+  atomic_bool done;
+};
+
+static void *
+capture_writer (void *arg)
+{
+  struct capture_window *w = arg;
+
+  ck_assert_int_eq (bcf_invalidate (w->r->c, 0, BLOCK, true), 0);
+  atomic_store (&w->done, true);
+  return NULL;
+}
+
+static void
+capture_hook (struct bcf_cache *c, void *opaque)
+{
+  struct capture_window *w = opaque;
+
+  if (w->started)
+    return;
+  w->started = true;
+  ck_assert_int_eq (pthread_create (&w->writer, NULL, capture_writer, w), 0);
+  /* Let the writer finish inside the window if it can (it may have to
+   * wait for the checkpoint's journal entry; then it finishes after). */
+  for (int i = 0; i < 500 && !atomic_load (&w->done); i++)
+    bcf_sleep_ms (1);
+}
+
+START_TEST (test_invalidate_captured_crash)
+{
+  for (unsigned i = 0; i < 3; i++) {
+    const int mode = crash_modes[i];
+    struct run r;
+    struct capture_window w = { .r = &r };
+
+    rng_state = seed * 19 + (unsigned) mode;
+    run_init (&r, "captured.img", 16u << 20, 16);
+    backing_write_random (&r, 0, 1);
+    ck_assert (step_read_fill (&r, 0, 1));
+    assert_block0_hit (&r, "filled");
+
+    r.c->test_ckpt_hook = capture_hook;
+    r.c->test_ckpt_hook_opaque = &w;
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+    r.c->test_ckpt_hook = NULL;
+    ck_assert (w.started);
+    ck_assert_int_eq (pthread_join (w.writer, NULL), 0);
+    backing_write_random (&r, 0, 1);
+    crash_and_check_block0 (&r, mode, "captured, not yet committed");
+    run_free (&r);
+  }
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -876,6 +1014,8 @@ main (void)
   add (s, "prio_publish_crash", test_prio_publish_crash);
   add (s, "stale_drop_crash", test_stale_drop_crash);
   add (s, "pending_whiteout_crash", test_pending_whiteout_crash);
+  add (s, "invalidate_journal_choice", test_invalidate_journal_choice);
+  add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
