@@ -62,6 +62,12 @@
 #     seqread  1 MiB sequential reads, fresh cache.  fio loops
 #              over the export, so a cache that caches sequential reads
 #              (nbdkit's cache filter) serves later laps from its cache.
+#     rmw      (not in the default set) random writes over a WARM working
+#              set, after the same warm-up pass as hits: the writes of a
+#              read-modify-write, every one to a cached block.  Shows what
+#              keeping the cache right costs a write (bcachefilter
+#              journals an invalidation only where a crash could bring the
+#              cached block back).
 #   Every (config, workload) pair gets a freshly started front end.  The
 #   runs go workload by workload, all configs back to back, so that the
 #   runs a ratio compares are close in time on a shared host; one remote
@@ -83,7 +89,7 @@
 #   proxy / remote (what any nbdkit proxy reaches on this host), and
 #   randrw bcachefilter / proxy and bcachefilter-none / proxy (what
 #   caching costs on top of the hop, and what the filter costs without
-#   caching).
+#   caching); and rmw bcachefilter / proxy (write IOPS).
 #   The same ratios are printed for nbdkit's cache filter, for reference.
 #
 #   Every run also gets "device reads/IO": the reads completed (field 1 of
@@ -122,7 +128,8 @@
 #   CONFIGS    subset of: remote proxy cachefilter bcachefilter
 #              bcachefilter-pc bcachefilter-none file filepc qemunbd
 #              (default: all)
-#   WORKLOADS  subset of: hits zipf randrw seqread (default: all)
+#   WORKLOADS  subset of: hits zipf randrw seqread rmw (default: the
+#              first four, the issue's)
 #   REPEAT     runs per (config, workload), the table shows the median
 #              (default 1).  For hits the warm-up is done once.
 #   ZIPF       zipf theta (default 1.2)
@@ -189,8 +196,8 @@ for c in $CONFIGS; do
         die "unknown config '$c' ($ALL_CONFIGS)"
 done
 for w in $WORKLOADS; do
-    case $w in hits|zipf|randrw|seqread) ;;
-    *) die "unknown workload '$w' (hits zipf randrw seqread)" ;;
+    case $w in hits|zipf|randrw|seqread|rmw) ;;
+    *) die "unknown workload '$w' (hits zipf randrw seqread rmw)" ;;
     esac
 done
 has_config() { [[ " $CONFIGS " == *" $1 "* ]]; }
@@ -455,6 +462,7 @@ workload_args() {               # the measured job of each workload
     zipf)    echo "--rw=randread --bs=4k --random_distribution=zipf:$ZIPF --norandommap --time_based --runtime=$RUNTIME" ;;
     randrw)  echo "--rw=randrw --rwmixread=70 --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
     seqread) echo "--rw=read --bs=1M --time_based --runtime=$RUNTIME" ;;
+    rmw)     echo "--rw=randwrite --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
     esac
 }
 
@@ -520,7 +528,7 @@ if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter|bcachefilter-pc|b
 fi
 for wl in $WORKLOADS; do
     say "workload $wl"
-    if [[ $wl == hits ]]; then
+    if [[ $wl == hits || $wl == rmw ]]; then
         for cfg in $CONFIGS; do
             start_front "$cfg" 1
             if [[ $cfg == cachefilter ]] ||
@@ -606,6 +614,12 @@ for c in order_c:
     print(f"| {c} | " + " | ".join(cells) + " |")
 if repeat > 1:
     print(f"\n(median of {repeat} runs each)")
+if any(w == "rmw" for _, w in runs):
+    print("\n| config | rmw: 4k random writes to warm blocks, IOPS (write p50/p99 ms) |")
+    print("|---|---:|")
+    for c in order_c:
+        if (c, "rmw") in runs:
+            print(f"| {c} | {n(med(c,'rmw','wiops'))} ({med(c,'rmw','wp50'):.2f}/{med(c,'rmw','wp99'):.2f}) |")
 
 # (workload, figure, config in the "bcachefilter" column, baseline, target,
 # label); the cache filter column is always cachefilter / baseline
@@ -620,7 +634,8 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            # no target: what the randrw ratio is made of
            ("randrw", "iops",  "proxy",           "remote",  None, "70/30 total IOPS: the pass-through proxy vs the remote alone"),
            ("randrw", "iops",  "bcachefilter",    "proxy",   None, "70/30 total IOPS vs the pass-through proxy"),
-           ("randrw", "iops",  "bcachefilter-none", "proxy", None, "70/30 total IOPS, bcache-mode=none vs the pass-through proxy")]
+           ("randrw", "iops",  "bcachefilter-none", "proxy", None, "70/30 total IOPS, bcache-mode=none vs the pass-through proxy"),
+           ("rmw",    "wiops", "bcachefilter",    "proxy",   None, "4k writes to warm blocks: write IOPS vs the pass-through proxy")]
 print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
 print("|---|---:|---:|---:|")
 for w, k, bc, base, tgt, what in targets:
@@ -653,7 +668,7 @@ for c, w, rep, r, la in allruns:
 stats = [f for f in sorted(os.listdir(outdir)) if f.endswith(".stats.json")]
 if stats:
     print("\nbcachefilter counters (bcachefilter-ctl stats --json) over each run; "
-          "for hits, minus those of the warm-up:\n")
+          "for hits and rmw, minus those of the warm-up:\n")
     keys = ("cache_hits", "cache_misses", "cache_bypass_hits", "cache_bypass_misses",
             "cache_miss_collisions", "cache_read_races", "bypassed")
     def get(f):
@@ -666,7 +681,7 @@ if stats:
     for f in stats:
         s = get(f)
         warm = f.split(".")[0] + ".warm.stats.json"  # that config's warm-up
-        base = get(warm) if ".hits." in f and warm in stats else {}
+        base = get(warm) if (".hits." in f or ".rmw." in f) and warm in stats else {}
         cells = []
         for k in keys:
             v = s.get(k)
