@@ -226,6 +226,17 @@ btree_free (struct bcf_cache *c)
   t->dead = NULL;
 }
 
+bool
+btree_has_uncaptured (struct bcf_cache *c)
+{
+  bool r;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  r = c->tree.leaf_inserts != c->tree.leaf_inserts_captured;
+  pthread_rwlock_unlock (&c->tree_lock);
+  return r;
+}
+
 int
 btree_new_root (struct bcf_cache *c)
 {
@@ -486,6 +497,7 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
   if ((r = keyset_insert (&n->open, k)) < 0 ||
       (r = keyset_insert (&n->keys, k)) < 0)
     return r;
+  c->tree.leaf_inserts++;
   if (jseq) {
     if (jseq > n->jseq)
       n->jseq = jseq;
@@ -1205,6 +1217,7 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
     *root_level = c->tree.root->level;
     *last_seq = journal_seal_locked (c) + 1;
     *epoch = c->tree.epoch++;
+    c->tree.leaf_inserts_captured = c->tree.leaf_inserts;
   }
   bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t0);
   pthread_rwlock_unlock (&c->tree_lock);
@@ -1308,5 +1321,6 @@ btree_checkpoint (struct bcf_cache *c)
   bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t1);
   pthread_rwlock_unlock (&c->tree_lock);
   bcf_time_record (c, &c->stats.checkpoint, bcf_now_ns () - t0);
+  atomic_store (&c->ckpt_done_ns, bcf_now_ns ());
   return 0;
 }

@@ -24,7 +24,8 @@
  *
  * Locking: see engine.h.  Background threads: the journal timer (writes the
  * open entry after journal_delay_ms, checkpoints when the journal is half
- * full), the allocator (keeps the free lists filled) and GC.
+ * full or checkpoint_interval_ms after the last checkpoint if anything
+ * changed), the allocator (keeps the free lists filled) and GC.
  */
 #include "config.h"
 
@@ -1016,9 +1017,26 @@ journal_has_new_entries (struct bcf_cache *c)
   return r;
 }
 
+/* Is a checkpoint due by the clock: the tree has keys no checkpoint
+ * captured, and the last one committed checkpoint_interval_ms ago?  Fills
+ * are not journalled (btree.c), so only a checkpoint makes them survive a
+ * crash; and a leaf with unwritten keys cannot be evicted.  Without this
+ * a read-mostly cache, whose journal never fills, would keep everything
+ * it cached since it started in memory only.  bcache writes a dirty
+ * btree node within 30 s for the same reasons. */
+static bool
+checkpoint_due (struct bcf_cache *c)
+{
+  uint64_t interval = c->opts.checkpoint_interval_ms
+                      ? c->opts.checkpoint_interval_ms : 30000;
+
+  return bcf_now_ns () - atomic_load (&c->ckpt_done_ns) >=
+         interval * 1000000ull && btree_has_uncaptured (c);
+}
+
 /* Journal timer: write the open entry every journal_delay_ms; commit the
  * btree when the journal is half full, so foreground inserts rarely have
- * to. */
+ * to, or when checkpoint_due. */
 static void *
 journal_thread (void *arg)
 {
@@ -1030,7 +1048,8 @@ journal_thread (void *arg)
     if (c->failed)
       continue;
     bcf_flush (c);
-    if (journal_used_percent (c) >= 50 && journal_has_new_entries (c))
+    if ((journal_used_percent (c) >= 50 && journal_has_new_entries (c)) ||
+        checkpoint_due (c))
       bcf_cache_checkpoint (c);
     else
       btree_evict_maybe (c);

@@ -217,10 +217,15 @@ struct btree {
   size_t cache_bytes;         /* key memory of loaded nodes (counted at
                                  each eviction pass, plus reloads since) */
   uint64_t evictions, loads;  /* node cache counters (atomic) */
+  /* Leaf inserts, and their count at the last checkpoint snapshot: the
+   * tree has keys no checkpoint captured iff they differ. */
+  uint64_t leaf_inserts, leaf_inserts_captured;
 };
 
 int btree_init (struct bcf_cache *c);
 void btree_free (struct bcf_cache *c);
+/* Has the tree keys that no checkpoint captured?  Takes tree_lock. */
+bool btree_has_uncaptured (struct bcf_cache *c);
 /* First registration: an empty root leaf covering everything. */
 int btree_new_root (struct bcf_cache *c);
 /* Load the tree whose root key is given (open). */
@@ -406,6 +411,8 @@ struct bcf_cache {
   unsigned committed_level;
 
   atomic_bool failed;             /* metadata write failed: read-only */
+  atomic_uint_fast64_t ckpt_done_ns;  /* bcf_now_ns of the last checkpoint
+                                         that committed */
   atomic_uint_fast64_t inflight;  /* foreground requests in flight (GC) */
 
   /* Test hook (NULL in production): called by bcf_read_hit after the

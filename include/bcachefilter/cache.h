@@ -72,6 +72,9 @@ struct bcf_cache_opts {
   size_t node_cache_bytes;        /* memory bound of the btree node cache;
                                      0 = 256 MiB */
   unsigned journal_delay_ms;      /* leaf-insert batching; 0 = 100 */
+  unsigned checkpoint_interval_ms;  /* the btree is written at least this
+                                       often while it has unwritten keys
+                                       (background threads); 0 = 30000 */
 
   /* Diagnostics (may be NULL). */
   void (*log) (void *opaque, enum bcf_log_level level, const char *msg);

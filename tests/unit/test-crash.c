@@ -27,7 +27,9 @@
  * bring back what it removes — not for a key only memory has, even after
  * its leaf split, but for one a checkpoint wrote or has captured, or the
  * journal holds (test_invalidate_journal_choice, test_invalidate_
- * captured_crash); and recovery tolerates a torn newest journal
+ * captured_crash); a fill survives a crash once the journal timer's
+ * checkpoint ran (test_fill_survives_crash); and recovery tolerates a
+ * torn newest journal
  * entry and refuses a gap in the middle of the journal.
  */
 #include "config.h"
@@ -987,6 +989,39 @@ START_TEST (test_invalidate_captured_crash)
 }
 END_TEST
 
+/* Fills are not journalled; the journal timer's checkpoint makes them
+ * survive a crash even when no journal entry fills the journal, as in a
+ * read-mostly cache. */
+START_TEST (test_fill_survives_crash)
+{
+  struct run r;
+  struct bcf_cache_stats st;
+  uint64_t n0;
+
+  rng_state = seed * 23 + 1;
+  run_init (&r, "timer.img", 16u << 20, 16);
+  r.c->opts.checkpoint_interval_ms = 100;
+  r.c->opts.journal_delay_ms = 10;
+  backing_write_random (&r, 0, 1);
+  ck_assert (step_read_fill (&r, 0, 1));
+  bcf_cache_stats (r.c, &st);
+  n0 = st.checkpoint.count;
+  ck_assert_int_eq (bcf_cache_start_threads (r.c), 0);
+  for (int i = 0; i < 500 && st.checkpoint.count == n0; i++) {
+    bcf_sleep_ms (10);
+    bcf_cache_stats (r.c, &st);
+  }
+  ck_assert_msg (st.checkpoint.count > n0, "seed %u: no checkpoint within "
+                 "5 s of a fill, with checkpoint_interval_ms = 100", seed);
+  bcf_cache_test_crash (r.c, seed, BCF_IO_CRASH_LOSE_ALL);
+  r.c = NULL;
+  run_open (&r, BCF_FORMAT_NEVER, true);
+  assert_block0_hit (&r, "filled, then a timed checkpoint and a crash");
+  check_hits_equal_backing (&r, "seed %u: after the timed checkpoint", seed);
+  run_free (&r);
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -1016,6 +1051,7 @@ main (void)
   add (s, "pending_whiteout_crash", test_pending_whiteout_crash);
   add (s, "invalidate_journal_choice", test_invalidate_journal_choice);
   add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
+  add (s, "fill_survives_crash", test_fill_survives_crash);
   sr = srunner_create (s);
   srunner_run_all (sr, CK_NORMAL);
   failed = srunner_ntests_failed (sr);
