@@ -794,6 +794,16 @@ static const char *const bname[] = {
   "inserted (journalled)", "inserted, replayed after a crash",
 };
 
+/* Keep an undo log of the cache device's unflushed writes from now on, so
+ * that a crash in LOSE_ALL or RANDOM mode loses them. */
+static void
+arm_undo_log (struct run *r)
+{
+  const struct bcf_io_faults none = { 0 };
+
+  bcf_io_set_faults (bcf_cache_test_io (r->c), &none);
+}
+
 static uint64_t
 journal_writes (struct run *r)
 {
@@ -852,6 +862,7 @@ START_TEST (test_pending_whiteout_crash)
 
     rng_state = seed * 17 + (unsigned) mode;
     run_init (&r, "pending.img", 16u << 20, 16);
+    arm_undo_log (&r);
     backing_write_random (&r, 0, 1);
     ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
     ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
@@ -881,6 +892,7 @@ invalidate_after (enum before how, int mode)
 
   rng_state = seed * 13 + how;
   run_init (&r, "inval.img", 16u << 20, 16);
+  arm_undo_log (&r);
   backing_write_random (&r, 0, 1);
   if (how >= B_INSERT) {
     ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
@@ -888,6 +900,7 @@ invalidate_after (enum before how, int mode)
       bcf_cache_test_crash (r.c, seed, BCF_IO_CRASH_KEEP_ALL);
       r.c = NULL;
       run_open (&r, BCF_FORMAT_NEVER, true);
+      arm_undo_log (&r);
     }
   }
   else
@@ -972,6 +985,7 @@ START_TEST (test_invalidate_captured_crash)
 
     rng_state = seed * 19 + (unsigned) mode;
     run_init (&r, "captured.img", 16u << 20, 16);
+    arm_undo_log (&r);
     backing_write_random (&r, 0, 1);
     ck_assert (step_read_fill (&r, 0, 1));
     assert_block0_hit (&r, "filled");
@@ -1000,6 +1014,7 @@ START_TEST (test_fill_survives_crash)
 
   rng_state = seed * 23 + 1;
   run_init (&r, "timer.img", 16u << 20, 16);
+  arm_undo_log (&r);
   r.c->opts.checkpoint_interval_ms = 100;
   r.c->opts.journal_delay_ms = 10;
   backing_write_random (&r, 0, 1);
