@@ -34,7 +34,8 @@
  * completed is stamped with that id ("covered"); when a flush completes,
  * records covered by it or an earlier flush are durable and dropped.  A
  * write still in flight while a flush starts is not covered by it, like
- * on a real disk.
+ * on a real disk.  A FUA write (BCF_IO_WRITE_FUA, RWF_DSYNC) is durable
+ * by itself once it completed: a crash keeps it whatever the mode.
  *
  * Buffer pool.  Nine free lists (4 KiB .. 1 MiB), each a singly linked
  * stack threaded through the free buffers themselves under its own mutex
@@ -62,6 +63,7 @@
 #include <unistd.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 
 #include <linux/fs.h>
 #include <liburing.h>
@@ -251,6 +253,8 @@ struct undo_rec {
   void *old;                    /* the range's contents before the write */
   uint64_t cover;               /* id of the flush that makes it durable */
   bool completed;
+  bool durable;                 /* a FUA write that completed: no crash
+                                   undoes it */
 };
 
 struct bcf_io {
@@ -665,6 +669,8 @@ fault_end (struct bcf_io *io, enum kind k, struct ioctx *c, int result)
     /* Even a failed write may have changed the range: keep the record. */
     pthread_mutex_lock (&io->undo_lock);
     c->rec->completed = true;
+    if (result == 0 && c->seg->op == BCF_IO_WRITE_FUA)
+      c->rec->durable = true;
     pthread_mutex_unlock (&io->undo_lock);
   }
   if (k == K_FLUSH && result == 0)
@@ -678,7 +684,7 @@ fault_end (struct bcf_io *io, enum kind k, struct ioctx *c, int result)
 static inline enum kind
 seg_kind (const struct bcf_io_seg *seg)
 {
-  return seg->op == BCF_IO_WRITE ? K_WRITE : K_READ;
+  return seg->op == BCF_IO_READ ? K_READ : K_WRITE;
 }
 
 /* Before an I/O: returns 0 to go ahead, or the -errno it fails with. */
@@ -743,14 +749,15 @@ full_pread (int fd, void *buf, size_t len, uint64_t off, size_t *got)
 }
 
 static int
-full_pwrite (int fd, const void *buf, size_t len, uint64_t off)
+full_pwrite (int fd, const void *buf, size_t len, uint64_t off, int flags)
 {
   size_t done = 0;
   unsigned retries = 0;
 
   while (done < len) {
     size_t chunk = len - done < MAX_CHUNK ? len - done : MAX_CHUNK;
-    ssize_t n = pwrite (fd, (const char *) buf + done, chunk, off + done);
+    struct iovec iov = { .iov_base = (char *) buf + done, .iov_len = chunk };
+    ssize_t n = pwritev2 (fd, &iov, 1, (off_t) (off + done), flags);
     if (n < 0) {
       if (errno == EINTR || (errno == EAGAIN && retries++ < MAX_RETRIES))
         continue;
@@ -784,7 +791,8 @@ sync_submit (struct bcf_io *io, struct bcf_io_seg *segs, unsigned n)
     if (k == K_READ)
       r = full_pread (io->fd, seg->buf, seg->len, seg->off, NULL);
     else
-      r = full_pwrite (io->fd, seg->buf, seg->len, seg->off);
+      r = full_pwrite (io->fd, seg->buf, seg->len, seg->off,
+                       seg->op == BCF_IO_WRITE_FUA ? RWF_DSYNC : 0);
     seg->result = r;
     io_end (io, k, &c, r);
   }
@@ -836,9 +844,12 @@ slot_prep (struct uring_batch *b, struct ioctx *c)
   if (seg->op == BCF_IO_READ)
     io_uring_prep_read (sqe, b->io->fd, (char *) seg->buf + c->done, chunk,
                         seg->off + c->done);
-  else
+  else {
     io_uring_prep_write (sqe, b->io->fd, (char *) seg->buf + c->done, chunk,
                          seg->off + c->done);
+    if (seg->op == BCF_IO_WRITE_FUA)
+      sqe->rw_flags = RWF_DSYNC;
+  }
   io_uring_sqe_set_data (sqe, c);
 }
 
@@ -988,9 +999,10 @@ validate (const struct bcf_io *io, struct bcf_io_seg *segs, unsigned n)
     const struct bcf_io_seg *s = &segs[i];
     int r = 0;
 
-    if (s->op != BCF_IO_READ && s->op != BCF_IO_WRITE)
+    if (s->op != BCF_IO_READ && s->op != BCF_IO_WRITE &&
+        s->op != BCF_IO_WRITE_FUA)
       r = -EINVAL;
-    else if (s->op == BCF_IO_WRITE && io->readonly)
+    else if (s->op != BCF_IO_READ && io->readonly)
       r = -EROFS;
     else if (s->len % bs || s->off % bs ||
              (s->len && (uintptr_t) s->buf % bs) ||
@@ -1046,6 +1058,15 @@ bcf_io_pwrite (struct bcf_io *io, const void *buf, size_t len, uint64_t off)
   /* The segment's buffer is not const because reads share the struct;
    * a write never stores through it. */
   struct bcf_io_seg seg = { .op = BCF_IO_WRITE, .buf = (void *) buf,
+                            .len = len, .off = off };
+  return bcf_io_submit (io, &seg, 1);
+}
+
+int
+bcf_io_pwrite_fua (struct bcf_io *io, const void *buf, size_t len,
+                   uint64_t off)
+{
+  struct bcf_io_seg seg = { .op = BCF_IO_WRITE_FUA, .buf = (void *) buf,
                             .len = len, .off = off };
   return bcf_io_submit (io, &seg, 1);
 }
@@ -1369,8 +1390,10 @@ bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st)
   st->bytes_written = load (&io->bytes_written);
   st->errors = load (&io->errors);
   st->errors_injected = load (&io->errors_injected);
+  st->unflushed_writes = 0;
   pthread_mutex_lock (&io->undo_lock);
-  st->unflushed_writes = io->nundo;
+  for (size_t i = 0; i < io->nundo; i++)
+    st->unflushed_writes += !io->undo[i]->durable;
   pthread_mutex_unlock (&io->undo_lock);
 }
 
@@ -1430,7 +1453,7 @@ revert_range (int fd, const struct undo_rec *rec, uint64_t lo, uint64_t hi,
     return r;
   }
   return full_pwrite (fd, (const char *) rec->old + (lo - rec->off),
-                      hi - lo, lo);
+                      hi - lo, lo, 0);
 }
 
 int
@@ -1462,6 +1485,9 @@ bcf_io_crash (struct bcf_io *io, uint64_t seed, enum bcf_io_crash_mode mode)
     case BCF_IO_CRASH_LOSE_ALL: keep = false; break;
     default: keep = crash_rand (&state) & 1; break;
     }
+    if (rec->durable)
+      keep = true;
+
     if (keep)
       kept[nkept++] = (struct range) { rec->off, rec->off + rec->len };
     else {

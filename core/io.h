@@ -149,6 +149,10 @@ struct bcf_io_opts {
 enum bcf_io_op {
   BCF_IO_READ,
   BCF_IO_WRITE,
+  /* A write that is durable when it completes (RWF_DSYNC: a FUA write,
+   * or write and flush on a device without FUA).  It makes no earlier
+   * write durable. */
+  BCF_IO_WRITE_FUA,
 };
 
 struct bcf_io_seg {
@@ -178,6 +182,8 @@ extern int bcf_io_pread (struct bcf_io *io, void *buf, size_t len,
                          uint64_t off);
 extern int bcf_io_pwrite (struct bcf_io *io, const void *buf, size_t len,
                           uint64_t off);
+extern int bcf_io_pwrite_fua (struct bcf_io *io, const void *buf,
+                              size_t len, uint64_t off);
 /* Make every write completed before this call durable (fdatasync). */
 extern int bcf_io_flush (struct bcf_io *io);
 
@@ -206,7 +212,8 @@ struct bcf_io_stats {
   uint64_t bytes_read, bytes_written;
   uint64_t errors;                      /* real I/O errors */
   uint64_t errors_injected;             /* by the fault layer */
-  uint64_t unflushed_writes;            /* undo log length (armed only) */
+  uint64_t unflushed_writes;            /* writes a crash would undo
+                                           (armed only) */
 };
 extern void bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st);
 

@@ -1049,6 +1049,36 @@ START_TEST (test_crash_flush_boundary)
 }
 END_TEST
 
+/* A FUA write survives any crash once it completed, even over an older
+ * unflushed write of the same range; it makes no other write durable. */
+START_TEST (test_crash_fua)
+{
+  char *path = make_file (4 * REGION);
+  struct bcf_io *io = open_mode (path, loop_modes[_i]);
+  struct bcf_io_faults f = { 0 };
+  struct bcf_io_stats st;
+  unsigned char *buf = xbuf (REGION);
+
+  bcf_io_set_faults (io, &f);
+  write_region (io, 0, 1, 0);
+  ck_assert_int_eq (bcf_io_flush (io), 0);
+  write_region (io, 1, 2, 0);           /* unflushed */
+  write_region (io, 0, 3, 0);           /* unflushed, then overwritten */
+  fill (buf, REGION, 0, 4);
+  ck_assert_int_eq (bcf_io_pwrite_fua (io, buf, REGION, 0), 0);
+  fill (buf, REGION, 2 * REGION, 5);
+  ck_assert_int_eq (bcf_io_pwrite_fua (io, buf, REGION, 2 * REGION), 0);
+  bcf_io_stats (io, &st);
+  ck_assert_uint_eq (st.unflushed_writes, 2);
+  ck_assert_int_eq (bcf_io_crash (io, seed, BCF_IO_CRASH_LOSE_ALL), 2);
+  ck_assert (region_is (path, 0, 4));
+  ck_assert (region_is (path, 1, 0));
+  ck_assert (region_is (path, 2, 5));
+  bcf_buf_free (buf, REGION);
+  remove_file (path);
+}
+END_TEST
+
 /* Seeded random crash over overlapping writes: the result is always one of
  * the states a volatile cache could leave (the durable base plus some
  * subset of the unflushed writes, each whole, applied in order), and the
@@ -1307,6 +1337,7 @@ io_suite (void)
   tcase_add_loop_test (tc, test_power_cut, 0, 2);
   tcase_add_loop_test (tc, test_power_cut_batch, 0, 2);
   tcase_add_loop_test (tc, test_crash_flush_boundary, 0, 2);
+  tcase_add_loop_test (tc, test_crash_fua, 0, 2);
   tcase_add_loop_test (tc, test_crash_random, 0, 2);
   tcase_add_loop_test (tc, test_crash_overlap, 0, 2);
   suite_add_tcase (s, tc);
