@@ -1087,6 +1087,10 @@ bcf_cache_start_threads (struct bcf_cache *c)
   if (c->threads_running || c->opts.readonly)
     return 0;
   c->stopping = false;
+  /* The interval counts from now if no checkpoint ran yet (a cache just
+   * formatted): not a checkpoint at the first fill. */
+  if (atomic_load (&c->ckpt_done_ns) == 0)
+    atomic_store (&c->ckpt_done_ns, bcf_now_ns ());
   if ((r = pthread_create (&c->journal_thread, NULL, journal_thread, c)))
     return -r;
   if ((r = pthread_create (&c->alloc_thread, NULL, alloc_thread, c))) {
