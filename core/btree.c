@@ -45,11 +45,10 @@
  * Crash argument for replace inserts (not journalled, like bcache): a
  * fill's data is written before its key is inserted, and every later
  * change of the backing store journals an invalidation of the range
- * wherever a key could be there after a crash (bcf_invalidate: keys in
- * memory, and stale keys memory forgot before their gen was persisted);
- * the journal is replayed in order on top of whatever bsets reached the
- * disk, so a clean key that survives recovery has no journalled change
- * after it and still equals the backing store (I2).
+ * wherever recovery could bring a key back there (bcf_invalidate says
+ * where that is); the journal is replayed in order on top of whatever
+ * bsets reached the disk, so a clean key that survives recovery has no
+ * journalled change after it and still equals the backing store (I2).
  *
  * Locking: everything here runs under tree_lock (see engine.h), except
  * the I/O phase of the checkpoint, which works on private buffers.  Node

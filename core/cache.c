@@ -822,10 +822,9 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
  * rebuilds the tree from committed nodes and replays the journal, so the
  * keys it can bring back are those a checkpoint captured or the journal
  * holds (RANGE_PERSISTENT), and stale keys dropped from memory while their
- * bucket's new gen was not yet persisted (alloc_gens_unpersisted: read
- * after the look at the tree, since a key dropped as stale before it was
- * dropped because its gen was bumped, and that bump was counted before it
- * was visible).  Keys only in memory (range_state_locked) cannot come
+ * bucket's new gen was not yet persisted (alloc_gens_unpersisted, read
+ * after the look at the tree; the rule and its ordering are in alloc.c's
+ * header).  Keys only in memory (range_state_locked) cannot come
  * back, so a write to a range a miss filled since the last checkpoint —
  * a read-modify-write — costs no journal write and no flush.  The choice
  * is made under the write lock of the insert itself (insert_key), so no

@@ -231,10 +231,10 @@ int btree_new_root (struct bcf_cache *c);
 /* Load the tree whose root key is given (open). */
 int btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
                 char *err, size_t errlen);
-/* Extent insert (journalled or not), under tree_lock held for writing.
- * Returns 0, -EAGAIN (a split needs btree buckets: drop the lock,
- * alloc_refill, retry) or -ENOMEM. */
-/* jseq: the journal entry holding k, 0 if k is not journalled. */
+/* Extent insert, under tree_lock held for writing; jseq is the journal
+ * entry holding k, 0 if k is not journalled.  Returns 0, -EAGAIN (a
+ * split needs btree buckets: drop the lock, alloc_refill, retry) or
+ * -ENOMEM. */
 int btree_insert_locked (struct bcf_cache *c, const struct ckey *k,
                          uint64_t jseq);
 /* Replace insert: k only if [start, end) still holds expect.  Returns 0,
@@ -343,8 +343,8 @@ struct journal_replay {
 };
 int journal_read (struct bcf_cache *c, struct journal_replay *r,
                   char *err, size_t errlen);
-/* Feed the kept keys, in order, to cb; then drop them. */
-/* cb gets each key and the seq of the entry holding it. */
+/* Feed the kept keys, in order, to cb with the seq of the entry holding
+ * each; then drop them. */
 int journal_replay (struct bcf_cache *c,
                     int (*cb) (struct bcf_cache *c, const struct ckey *k,
                                uint64_t seq, void *opaque),

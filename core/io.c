@@ -1052,23 +1052,28 @@ bcf_io_pread (struct bcf_io *io, void *buf, size_t len, uint64_t off)
   return bcf_io_submit (io, &seg, 1);
 }
 
-int
-bcf_io_pwrite (struct bcf_io *io, const void *buf, size_t len, uint64_t off)
+static int
+write_one (struct bcf_io *io, enum bcf_io_op op, const void *buf, size_t len,
+           uint64_t off)
 {
   /* The segment's buffer is not const because reads share the struct;
    * a write never stores through it. */
-  struct bcf_io_seg seg = { .op = BCF_IO_WRITE, .buf = (void *) buf,
-                            .len = len, .off = off };
+  struct bcf_io_seg seg = { .op = op, .buf = (void *) buf, .len = len,
+                            .off = off };
   return bcf_io_submit (io, &seg, 1);
+}
+
+int
+bcf_io_pwrite (struct bcf_io *io, const void *buf, size_t len, uint64_t off)
+{
+  return write_one (io, BCF_IO_WRITE, buf, len, off);
 }
 
 int
 bcf_io_pwrite_fua (struct bcf_io *io, const void *buf, size_t len,
                    uint64_t off)
 {
-  struct bcf_io_seg seg = { .op = BCF_IO_WRITE_FUA, .buf = (void *) buf,
-                            .len = len, .off = off };
-  return bcf_io_submit (io, &seg, 1);
+  return write_one (io, BCF_IO_WRITE_FUA, buf, len, off);
 }
 
 int
@@ -1485,9 +1490,7 @@ bcf_io_crash (struct bcf_io *io, uint64_t seed, enum bcf_io_crash_mode mode)
     case BCF_IO_CRASH_LOSE_ALL: keep = false; break;
     default: keep = crash_rand (&state) & 1; break;
     }
-    if (rec->durable)
-      keep = true;
-
+    keep |= rec->durable;       /* a completed FUA write */
     if (keep)
       kept[nkept++] = (struct range) { rec->off, rec->off + rec->len };
     else {

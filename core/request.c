@@ -37,8 +37,8 @@
  *
  *   W1. bcf_bypass_begin (tracker raised);
  *   W2. bcf_invalidate (span, durable): removes cached data and any check
- *       key, journalled where anything was cached or could come back
- *       after a crash (core/alloc.c: unpersisted gens);
+ *       key, journalled wherever a crash could bring back what it removes
+ *       (the rule and its argument: bcf_invalidate in core/cache.c);
  *   W3. writethrough only: bcf_miss_begin, a check key of our own over
  *       the whole blocks of the request;
  *   W4. the backing write;

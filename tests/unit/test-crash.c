@@ -725,6 +725,29 @@ stale_window_hook (struct bcf_cache *c, void *opaque)
   bcf_io_test_power_cut (bcf_cache_test_io (c), 1);
 }
 
+/* Cut the power in `mode` (seeded by crash_seed) and reopen: block 0 is
+ * not a hit, though its invalidation was acknowledged as durable, and
+ * every hit matches the backing store.  what names the case. */
+static void
+crash_and_check_block0 (struct run *r, int mode, uint64_t crash_seed,
+                        const char *what)
+{
+  struct bcf_extent e;
+  unsigned n;
+
+  bcf_cache_test_crash (r->c, crash_seed, mode);
+  r->c = NULL;
+  run_open (r, BCF_FORMAT_NEVER, true);
+  ck_assert_int_eq (bcf_cache_fsck (r->c, NULL, 0), 0);
+  ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
+  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (%s): "
+                 "block 0's old key is a hit after recovery, though its "
+                 "invalidation was acknowledged as durable", seed, mode,
+                 what);
+  check_hits_equal_backing (r, "seed %u crash mode %d (%s)", seed, mode,
+                            what);
+}
+
 static void
 stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
 {
@@ -732,7 +755,6 @@ stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
   struct bcf_io_faults f = { 0 };
   struct bcf_extent e;
   struct stale_window w = { .r = &r, .by_gc = by_gc };
-  unsigned n;
 
   rng_state = seed * 11 + cseed;
   e = fifo_run_block0 (&r, "stale.img", &f);
@@ -750,16 +772,8 @@ stale_drop_crash (bool by_gc, int mode, uint64_t cseed)
   ck_assert_msg (w.fired, "seed %u: bucket %" PRIu64 " was never "
                  "invalidated", seed, w.bucket);
 
-  bcf_cache_test_crash (r.c, cseed, mode);
-  r.c = NULL;
-  run_open (&r, BCF_FORMAT_NEVER, true);
-  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
-  ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
-  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (dropped "
-                 "by %s): block 0's old key is a hit after recovery, though "
-                 "its invalidation was acknowledged", seed, mode,
-                 by_gc ? "GC" : "a cancelled miss");
-  check_hits_equal_backing (&r, "seed %u crash mode %d", seed, mode);
+  crash_and_check_block0 (&r, mode, cseed, by_gc ? "dropped by GC"
+                          : "dropped by a cancelled miss");
   run_free (&r);
 }
 
@@ -826,27 +840,6 @@ assert_block0_hit (struct run *r, const char *what)
                  "(%s)", seed, what);
 }
 
-/* Block 0 is not a hit after a crash in `mode`, and every hit matches
- * the backing store. */
-static void
-crash_and_check_block0 (struct run *r, int mode, const char *what)
-{
-  struct bcf_extent e;
-  unsigned n;
-
-  bcf_cache_test_crash (r->c, seed, mode);
-  r->c = NULL;
-  run_open (r, BCF_FORMAT_NEVER, true);
-  ck_assert_int_eq (bcf_cache_fsck (r->c, NULL, 0), 0);
-  ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
-  ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (%s): "
-                 "block 0's old key is a hit after recovery, though its "
-                 "invalidation was acknowledged as durable", seed, mode,
-                 what);
-  check_hits_equal_backing (r, "seed %u crash mode %d (%s)", seed, mode,
-                            what);
-}
-
 /* A whiteout journalled but not yet written — an invalidation on the read
  * path (not durable), or a concurrent writer's still waiting for its
  * journal write — leaves no key behind in the merged set.  A durable
@@ -873,7 +866,7 @@ START_TEST (test_pending_whiteout_crash)
     ck_assert_int_eq (bcf_invalidate (r.c, 0, BLOCK, true), 0);
     waited = journal_writes (&r) > w0;
     backing_write_random (&r, 0, 1);
-    crash_and_check_block0 (&r, mode, "whiteout pending");
+    crash_and_check_block0 (&r, mode, seed, "whiteout pending");
     ck_assert_msg (waited, "seed %u: a durable invalidation returned before "
                    "the pending whiteout of its range was written", seed);
     run_free (&r);
@@ -925,7 +918,7 @@ invalidate_after (enum before how, int mode)
   backing_write_random (&r, 0, 1);
   /* Safety first, then whether it cost a journal write where none was
    * needed (or skipped one that was). */
-  crash_and_check_block0 (&r, mode, bname[how]);
+  crash_and_check_block0 (&r, mode, seed, bname[how]);
   ck_assert_msg (journalled == expect, "seed %u: block 0 %s: the durable "
                  "invalidation %s journalled", seed, bname[how],
                  journalled ? "was" : "was not");
@@ -997,7 +990,7 @@ START_TEST (test_invalidate_captured_crash)
     ck_assert (w.started);
     ck_assert_int_eq (pthread_join (w.writer, NULL), 0);
     backing_write_random (&r, 0, 1);
-    crash_and_check_block0 (&r, mode, "captured, not yet committed");
+    crash_and_check_block0 (&r, mode, seed, "captured, not yet committed");
     run_free (&r);
   }
 }
