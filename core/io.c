@@ -1423,6 +1423,10 @@ bcf_io_set_faults (struct bcf_io *io, const struct bcf_io_faults *f)
 void
 bcf_io_test_power_cut (struct bcf_io *io, uint64_t n)
 {
+  if (n == 0) {
+    atomic_store (&io->dead, true);
+    return;
+  }
   /* fault_writes counts only while a power cut is set. */
   if (io->faults.power_cut_after_write == 0)
     atomic_store (&io->fault_writes, 0);

@@ -233,9 +233,9 @@ struct bcf_io_faults {
 extern void bcf_io_set_faults (struct bcf_io *io,
                                const struct bcf_io_faults *f);
 /* With the faults armed: cut the power once the n-th write from now has
- * completed (see "Power cut"), keeping the undo log of the writes made
- * so far, so a test can place the cut inside a sequence it started
- * earlier.  Not for concurrent use with I/O. */
+ * completed (see "Power cut"), or at once if n is 0, keeping the undo
+ * log of the writes made so far, so a test can place the cut inside a
+ * sequence it started earlier.  Not for concurrent use with I/O. */
 extern void bcf_io_test_power_cut (struct bcf_io *io, uint64_t n);
 
 enum bcf_io_crash_mode {
