@@ -779,6 +779,9 @@ bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
     else if (r < 0)
       res[i] = r;
   }
+  for (unsigned i = 0; i < n; i++)
+    if (res[i] == 0)
+      atomic_fetch_add (&c->stats.inserts, 1);
 
  out:
   if (bounce)

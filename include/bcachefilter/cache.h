@@ -234,7 +234,8 @@ struct bcf_cache_stats {
   uint64_t dirty_sectors;
   uint64_t journal_seq, journal_last_seq, journal_writes;
   uint64_t miss_collisions, read_races;   /* hits and misses: stats.h */
-  uint64_t inserts, invalidates;
+  uint64_t inserts;              /* data inserted: fills, bcf_insert */
+  uint64_t invalidates;          /* bcf_invalidate calls */
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;

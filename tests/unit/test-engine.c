@@ -263,13 +263,16 @@ START_TEST (test_miss_collision)
   ck_assert_int_eq (e[0].kind, BCF_EXTENT_MISS);
   bcf_cache_stats (f.c, &st);
   ck_assert_uint_eq (st.miss_collisions, 1);
+  ck_assert_uint_eq (st.inserts, 0);
 
-  /* Without interference the fill is cached. */
+  /* Without interference the fill is cached, and counted as an insert. */
   ck_assert_int_eq (bcf_miss_begin (f.c, 0, 16384, &m), 0);
   ck_assert_int_eq (bcf_miss_fill (f.c, &m, data), 0);
   ck_assert_int_eq (bcf_lookup (f.c, 0, 16384, e, 4, &n), 0);
   ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
   ck_assert_uint_eq (e[0].len, 16384);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.inserts, 1);
   free (data);
   fixture_free (&f);
 }
