@@ -11,6 +11,12 @@
 #
 #     remote        fio talks to the remote directly (no proxy)
 #     proxy         nbdkit nbd plugin -> remote (pass-through proxy)
+#     qemuproxy     qemu-nbd -f raw --persistent --shared=16 on the remote's
+#                   NBD URI: a pass-through proxy that is not nbdkit (one
+#                   thread, coroutines, no hand-off between threads per
+#                   request).  Next to proxy it shows how much of the
+#                   proxy's cost is nbdkit's hop rather than any second hop.
+#                   Skipped with a warning if qemu-nbd is not installed.
 #     cachefilter   nbdkit --filter=cache cache=writeback cache-on-read=true
 #                   nbd -> remote (its cache file goes in $WORKDIR)
 #     bcachefilter  nbdkit --filter=$FILTER_SO nbd -> remote,
@@ -86,7 +92,8 @@
 #                                         read IOPS are shown too)
 #     seq    bcachefilter / proxy         target >= 0.95
 #   and, without a target, what they decompose into: the pass-through
-#   proxy / remote (what any nbdkit proxy reaches on this host), and
+#   proxy / remote (what any nbdkit proxy reaches on this host),
+#   qemuproxy / remote (what a proxy outside nbdkit reaches), and
 #   randrw bcachefilter / proxy and bcachefilter-none / proxy (what
 #   caching costs on top of the hop, and what the filter costs without
 #   caching); and rmw bcachefilter / proxy (write IOPS).
@@ -125,7 +132,7 @@
 #              time).
 #   OUTDIR     where fio's JSON, the front ends' logs and summary.md go
 #              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
-#   CONFIGS    subset of: remote proxy cachefilter bcachefilter
+#   CONFIGS    subset of: remote proxy qemuproxy cachefilter bcachefilter
 #              bcachefilter-pc bcachefilter-none file filepc qemunbd
 #              (default: all)
 #   WORKLOADS  subset of: hits zipf randrw seqread rmw (default: the
@@ -152,8 +159,8 @@
 #   KEEP=1     keep WORKDIR.
 #
 # Needs: nbdkit (memory, file, nbd plugins; delay, cache filters), fio with
-# the nbd engine, nbdinfo, nbdcopy, python3; for the qemunbd config,
-# qemu-nbd (Debian/Ubuntu package qemu-utils) with io_uring support.  Every
+# the nbd engine, nbdinfo, nbdcopy, python3; for the qemunbd and qemuproxy
+# configs, qemu-nbd (Debian/Ubuntu package qemu-utils) with io_uring support.  Every
 # process it starts is stopped at exit, including on SIGINT/SIGTERM/SIGHUP
 # (nbdkit runs with --exit-with-parent, and qemu-nbd under
 # `setpriv --pdeathsig TERM` when setpriv exists, so that even a SIGKILLed
@@ -164,7 +171,7 @@ set -euo pipefail
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-ALL_CONFIGS="remote proxy cachefilter bcachefilter bcachefilter-pc bcachefilter-none file filepc qemunbd"
+ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-pc bcachefilter-none file filepc qemunbd"
 CONFIGS=${CONFIGS:-$ALL_CONFIGS}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
@@ -214,6 +221,7 @@ if [[ ! -f $FILTER_SO ]]; then
     drop_config bcachefilter-none "$FILTER_SO does not exist"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
+command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
 
 # ---- work and output directories, cleanup --------------------------------
 MADE_WORKDIR=0
@@ -360,7 +368,7 @@ AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
     echo "workdir:   $WORKDIR on $FSDEV ($FSTYPE), O_DIRECT $ODIRECT"
     echo "device:    $DEVDESC"
     echo "software:  $(nbdkit --version), $(fio --version), $(nbdinfo --version 2>/dev/null | head -1)"
-    if has_config qemunbd; then
+    if has_config qemunbd || has_config qemuproxy; then
         echo "qemu-nbd:  $(qemu-nbd --version | head -1)"
     fi
     if [[ -f $FILTER_SO ]]; then
@@ -403,6 +411,9 @@ start_front() {
     remote) FRONT_SOCK=$RSOCK ;;
     proxy)
         start_nbdkit "$cfg" "$FSOCK" nbd socket="$RSOCK" ;;
+    qemuproxy)
+        start_qemu_nbd "$cfg" "$FSOCK" -f raw --persistent --shared=$IODEPTH \
+            "$(uri "$RSOCK")" ;;
     cachefilter)
         TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
             nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
@@ -522,7 +533,7 @@ EOF
 # One remote serves the whole run: it holds no state that matters here.
 T0=$SECONDS
 REMOTE_PID=
-if [[ " $CONFIGS " =~ \ (remote|proxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-none)\  ]]; then
+if [[ " $CONFIGS " =~ \ (remote|proxy|qemuproxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-none)\  ]]; then
     say "remote: nbdkit memory plugin behind the delay filter, filling it"
     start_remote
 fi
@@ -633,6 +644,7 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            ("seqread","mibs",  "bcachefilter",    "proxy",   0.95, "1M seq read MiB/s vs the pass-through proxy"),
            # no target: what the randrw ratio is made of
            ("randrw", "iops",  "proxy",           "remote",  None, "70/30 total IOPS: the pass-through proxy vs the remote alone"),
+           ("randrw", "iops",  "qemuproxy",       "remote",  None, "70/30 total IOPS: qemu-nbd as a proxy vs the remote alone"),
            ("randrw", "iops",  "bcachefilter",    "proxy",   None, "70/30 total IOPS vs the pass-through proxy"),
            ("randrw", "iops",  "bcachefilter-none", "proxy", None, "70/30 total IOPS, bcache-mode=none vs the pass-through proxy"),
            ("rmw",    "wiops", "bcachefilter",    "proxy",   None, "4k writes to warm blocks: write IOPS vs the pass-through proxy")]
