@@ -193,8 +193,11 @@ bcf_cache_abandon (struct bcf_cache *c)
   pthread_mutex_unlock (&c->ckpt_lock);
   if (r < 0)
     bcf_log (c, BCF_LOG_ERROR, "cannot mark the cache device %s as abandoned "
-             "(%s): reformat it (bcache-format=force) before using it again, "
-             "its contents may be stale", c->opts.path, strerror (-r));
+             "(%s): until it can be, writes to data it may hold fail with "
+             "EIO, so that it never serves data older than the export; if "
+             "the device is gone for good, stop nbdkit and start it without "
+             "the cache, or with a new one (bcache-format=force)",
+             c->opts.path, strerror (-r));
   else
     bcf_log (c, BCF_LOG_WARN, "cache device %s abandoned: the next open "
              "starts with an empty cache", c->opts.path);

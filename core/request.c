@@ -73,7 +73,7 @@
  * which removes W's check key (fill collides) or W's clean key (V2 after
  * the fill); V's data is then the newest in the backing store.
  *
- * Cache-device errors never fail a request the backing store can serve:
+ * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
  * served from the backing store.  After error_limit errors, or if an
  * invalidation cannot be journalled (then the cache could bring old data
@@ -81,7 +81,10 @@
  * so the next open starts empty, and from then on everything passes
  * through to the backing store.  If even that mark cannot be written, it
  * is tried again before every later change to the backing store, so a
- * device that recovers is marked before more writes pass it by.
+ * device that recovers is marked before more writes pass it by; and until
+ * it is, a change to a range whose invalidation cannot be made durable
+ * fails with EIO rather than leave old data for a later start to serve
+ * (the one exception, argued at begin_backing_change).
  *
  * Bypass: mode none bypasses everything, writearound every write, and the
  * sequential cutoff (bcache's) any request continuing a stream of at
@@ -811,21 +814,41 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
 /* ---- writes ----------------------------------------------------------------------- */
 
 /* W1-W2 of the write protocol: register the backing change and
- * invalidate the span durably.  Returns 0; on an invalidation that could
- * not be made durable, the cache is abandoned (and everything passes
- * through), which is equally safe. */
-static void
+ * invalidate the span durably.  Returns 0 when the backing store may
+ * change: the span is invalidated durably, or the cache is abandoned (the
+ * next open starts empty), which is equally safe.  An invalidation that
+ * cannot be made durable gives the cache up (go_passthrough), which tries
+ * to write that mark.
+ *
+ * If the mark cannot be written either, the device refuses writes, and
+ * the span may hold data a restart could bring back (bcf_invalidate
+ * fails only where a journal write was needed).  Should the device come
+ * back, the next start would serve that data over what this write put in
+ * the backing store (I2).  So the change must not happen: returns -EIO,
+ * with the tracker registration ended.  That fails a request the backing
+ * store could have served, but only for ranges the cache holds, and only
+ * while the device takes no writes at all; everywhere else writes pass
+ * through.  In pass-through the same holds until the mark is written:
+ * every change first retries it (a device that came back is marked
+ * before anything more passes it by), and checks the span only if that
+ * fails. */
+static int
 begin_backing_change (struct bcf_req *r, struct span s,
                       struct bcf_bypass_token *tok)
 {
-  int rc;
-
   bcf_bypass_begin (r->tracker, s.start, s.end - s.start, tok);
-  rc = bcf_invalidate (r->c, s.start, s.end - s.start, true);
-  if (rc < 0) {
-    device_error (r);
-    go_passthrough (r);
-  }
+  if (cache_off (r))
+    abandon_device (r);
+  if (atomic_load (&r->abandoned))
+    return 0;
+  if (bcf_invalidate (r->c, s.start, s.end - s.start, true) == 0)
+    return 0;
+  device_error (r);
+  go_passthrough (r);
+  if (atomic_load (&r->abandoned))
+    return 0;
+  bcf_bypass_end (r->tracker, tok);
+  return -EIO;
 }
 
 int
@@ -843,12 +866,15 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     return 0;
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
+  if (s.start >= s.end)         /* the uncached tail */
+    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
   if (cache_off (r)) {
-    abandon_device (r);
-    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
+    if ((rc = begin_backing_change (r, s, &tok)) < 0)
+      return rc;
+    rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);
+    bcf_bypass_end (r->tracker, &tok);
+    return rc;
   }
-  if (s.start >= s.end)
-    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
 
   insert = !should_bypass (r, offset, count) &&
            atomic_load (&r->mode) == BCF_MODE_WRITETHROUGH &&
@@ -856,7 +882,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (!insert)
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
 
-  begin_backing_change (r, s, &tok);                    /* W1, W2 */
+  if ((rc = begin_backing_change (r, s, &tok)) < 0)     /* W1, W2 */
+    return rc;
   if (insert && !cache_off (r)) {                        /* W3 */
     rc = bcf_miss_begin (r->c, in.start, in.end - in.start, &m);
     have_check = rc == 0;
@@ -887,13 +914,10 @@ change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
     return 0;
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
-  if (cache_off (r)) {
-    abandon_device (r);
+  if (s.start >= s.end)         /* the uncached tail */
     return fn (b, count, offset, arg);
-  }
-  if (s.start >= s.end)
-    return fn (b, count, offset, arg);
-  begin_backing_change (r, s, &tok);
+  if ((rc = begin_backing_change (r, s, &tok)) < 0)
+    return rc;
   rc = fn (b, count, offset, arg);
   bcf_bypass_end (r->tracker, &tok);
   return rc;

@@ -548,6 +548,103 @@ START_TEST (device_errors_pass_through)
 }
 END_TEST
 
+/* A cache device that refuses every write: a write to a range whose
+ * cached data a restart could bring back can be neither invalidated
+ * durably nor covered by the abandonment mark.  If it still changed the
+ * backing store, the next start, with the device back, would serve the
+ * old data (I2).  So such a write fails, and the backing store keeps the
+ * data the cache holds.  A write elsewhere may pass through or fail (the
+ * engine cannot always tell that a range is safe without the journal:
+ * see begin_backing_change); either way the restarted cache must agree
+ * with the backing store.  Once the device takes writes again it is
+ * marked and everything works. */
+START_TEST (unforgettable_write_fails)
+{
+  struct fx f;
+  uint8_t a[65536], b2[65536], got[65536], back[65536], back10[65536];
+  struct bcf_io_faults faults = { .fail_every = 1, .fail_writes_only = true };
+  struct bcf_req_stats rs;
+  int rc, rc10;
+
+  fx_init (&f, "unforgettable.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (a, sizeof a, 0x31);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);  /* now persistent */
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  pattern (b2, sizeof b2, 0x32);
+  rc = bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false);
+  mem_backing_peek (f.mb, back, sizeof back, 0);
+  rc10 = bcf_req_write (f.r, &f.b, b2, sizeof b2, 10 * MiB, false);
+  ck_assert (rc10 == 0 || rc10 == -EIO);
+  mem_backing_peek (f.mb, back10, sizeof back10, 10 * MiB);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert (rs.passthrough);
+
+  /* Restart with the device back: what the cache serves must be what the
+   * backing store holds. */
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  fx_close (&f);
+  fx_open (&f);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
+                 "after a restart the cache serves data the backing store "
+                 "no longer holds (the write returned %d)", rc);
+  ck_assert_int_eq (rc, -EIO);
+  ck_assert (memcmp (back, a, sizeof back) == 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 10 * MiB), 0);
+  ck_assert (memcmp (got, back10, sizeof got) == 0);
+  if (rc10 == 0)
+    ck_assert (memcmp (back10, b2, sizeof back10) == 0);
+  /* The device works again: the same write succeeds. */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false), 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert (memcmp (got, b2, sizeof got) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* The same in pass-through: the device gave up on read errors (past the
+ * error limit) and then refused the abandonment mark too.  Until the mark
+ * is written, writes still check what the cache holds. */
+START_TEST (unforgettable_write_fails_in_passthrough)
+{
+  struct fx f;
+  uint8_t a[65536], b2[65536], got[65536], back[65536];
+  struct bcf_io_faults faults = { .fail_every = 1 };
+  int rc;
+
+  fx_init (&f, "unforgettable-pt.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  f.ro.error_limit = 1;
+  bcf_req_free (f.r);
+  f.r = bcf_req_new (f.c, &f.ro);
+  pattern (a, sizeof a, 0x41);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, MiB, false), 0);
+  ck_assert (cached (&f, 0, sizeof a) && cached (&f, MiB, sizeof a));
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  /* A read error: served from the backing store; the limit is reached. */
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, MiB), 0);
+  ck_assert (memcmp (got, a, sizeof got) == 0);
+  pattern (b2, sizeof b2, 0x42);
+  rc = bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false);
+  mem_backing_peek (f.mb, back, sizeof back, 0);
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  fx_close (&f);
+  fx_open (&f);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
+                 "after a restart the cache serves data the backing store "
+                 "no longer holds (the write returned %d)", rc);
+  ck_assert_int_eq (rc, -EIO);
+  fx_free (&f);
+}
+END_TEST
+
 /* Threads doing random reads, writes, trims and zeroes, each on its own
  * region (so the shadow is exact) but with reads spanning everything's
  * cache state, in writethrough with backing latency. */
@@ -677,6 +774,8 @@ request_suite (void)
   ADD (unaligned_requests);
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
+  ADD (unforgettable_write_fails);
+  ADD (unforgettable_write_fails_in_passthrough);
   ADD (threaded_random);
 #undef ADD
   return s;
