@@ -645,6 +645,93 @@ START_TEST (unforgettable_write_fails_in_passthrough)
 }
 END_TEST
 
+/* Check keys (in-flight misses) in the tree below end bytes.  With no
+ * request running and the fill queue drained there must be none: a miss
+ * that did not fill must have taken its check key out. */
+static size_t
+check_keys_below (struct fx *f, uint64_t end)
+{
+  uint64_t pos = 0;
+  size_t n = 0;
+
+  pthread_rwlock_rdlock (&f->c->tree_lock);
+  while (pos < end >> 9) {
+    struct btree_node *leaf = btree_find_leaf (f->c, f->c->inode, pos + 1);
+    ck_assert_ptr_nonnull (leaf);
+    for (size_t i = 0; i < leaf->keys.nr; i++)
+      n += ckey_is_check (&leaf->keys.k[i]);
+    if (ckey_inode (&leaf->key) != f->c->inode)
+      break;                              /* the last leaf */
+    pos = ckey_end (&leaf->key);
+  }
+  pthread_rwlock_unlock (&f->c->tree_lock);
+  return n;
+}
+
+/* The fill queue is bounded (32 MiB): when the cache device is too slow
+ * to keep up, a miss is not cached (its check key is cancelled) rather
+ * than making the client wait.  The device is slowed to 25 ms per I/O
+ * (a 1 MiB fill is 8 of them), so the fill workers drain at most 10 MiB/s
+ * while 100 misses of 1 MiB arrive.  Every read must still return the backing store's data,
+ * the drops must be counted, the queue must empty, no check key may be
+ * left behind, and a dropped range must be cacheable again. */
+START_TEST (fill_queue_full_drops)
+{
+  const uint64_t n = 100;
+  struct fx f;
+  struct bcf_io_faults slow = { .delay_us = 25000 };
+  struct bcf_req_stats rs;
+  uint8_t *data = malloc (MiB), *got = malloc (MiB);
+  uint64_t dropped;
+
+  fx_init (&f, "fillq.img", (2 * n + 2) * MiB, BCF_MODE_WRITETHROUGH);
+  fx_close (&f);                          /* a cache that holds it all */
+  unlink (f.path);
+  f.opts.create_size = 256 * MiB;
+  fx_open (&f);
+  for (uint64_t i = 0; i < n; i++) {     /* every other MiB: no streams */
+    pattern (data, MiB, (uint8_t) (i + 1));
+    mem_backing_poke (f.mb, data, MiB, 2 * i * MiB);
+  }
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &slow);
+  for (uint64_t i = 0; i < n; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, MiB, 2 * i * MiB), 0);
+    pattern (data, MiB, (uint8_t) (i + 1));
+    ck_assert_msg (memcmp (got, data, MiB) == 0, "read %" PRIu64, i);
+  }
+  bcf_req_get_stats (f.r, &rs);
+  dropped = rs.fills_dropped;
+  fprintf (stderr, "fill_queue_full_drops: %" PRIu64 " of %" PRIu64
+           " fills dropped\n", dropped, n);
+  ck_assert_msg (dropped > 0, "no fill dropped with 100 MiB of misses "
+                 "behind a device taking 25 ms per I/O");
+  ck_assert_uint_le (rs.fill_queue_bytes, 32 * MiB);
+  bcf_req_drain (f.r);                    /* no I/O in flight after this */
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.fill_queue_bytes, 0);
+  ck_assert_uint_eq (rs.fills_dropped, dropped);
+  ck_assert_uint_eq (check_keys_below (&f, 2 * n * MiB), 0);
+
+  /* Read everything again at full speed: every range is cached after. */
+  for (uint64_t i = 0; i < n; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, MiB, 2 * i * MiB), 0);
+    pattern (data, MiB, (uint8_t) (i + 1));
+    ck_assert (memcmp (got, data, MiB) == 0);
+    bcf_req_drain (f.r);                  /* stay far from the bound */
+  }
+  for (uint64_t i = 0; i < n; i++)
+    ck_assert_msg (cached (&f, 2 * i * MiB, MiB),
+                   "range %" PRIu64 " not cached after a second read "
+                   "(%" PRIu64 " fills had been dropped)", i, dropped);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.fills_dropped, dropped);
+  fx_free (&f);
+  free (data);
+  free (got);
+}
+END_TEST
+
 /* Threads doing random reads, writes, trims and zeroes, each on its own
  * region (so the shadow is exact) but with reads spanning everything's
  * cache state, in writethrough with backing latency. */
@@ -776,6 +863,7 @@ request_suite (void)
   ADD (device_errors_pass_through);
   ADD (unforgettable_write_fails);
   ADD (unforgettable_write_fails_in_passthrough);
+  ADD (fill_queue_full_drops);
   ADD (threaded_random);
 #undef ADD
   return s;
