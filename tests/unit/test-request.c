@@ -501,6 +501,36 @@ START_TEST (bypass_rules)
 }
 END_TEST
 
+/* A new request layer over the same cache, giving up after n errors. */
+static void
+fx_set_error_limit (struct fx *f, unsigned n)
+{
+  f->ro.error_limit = n;
+  bcf_req_free (f->r);
+  f->r = bcf_req_new (f->c, &f->ro);
+  ck_assert_ptr_nonnull (f->r);
+}
+
+/* Disarm the device's faults, restart (close and open the cache, as a
+ * new nbdkit with the device back would), and check that the cache
+ * serves at off what the backing store holds there (I2).  rc: what the
+ * write under test returned, for the message. */
+static void
+restart_and_check_agrees (struct fx *f, uint64_t off, int rc)
+{
+  uint8_t got[65536], back[65536];
+
+  bcf_io_set_faults (bcf_cache_test_io (f->c), NULL);
+  fx_close (f);
+  fx_open (f);
+  mem_backing_peek (f->mb, back, sizeof back, off);
+  ck_assert_int_eq (bcf_req_read (f->r, &f->b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
+                 "after a restart the cache serves data the backing store "
+                 "no longer holds at %" PRIu64 " (the write returned %d)",
+                 off, rc);
+}
+
 /* Cache-device read errors are served from the backing store; past the
  * limit the cache is abandoned and the next open starts empty. */
 START_TEST (device_errors_pass_through)
@@ -511,9 +541,7 @@ START_TEST (device_errors_pass_through)
   struct bcf_req_stats rs;
 
   fx_init (&f, "errors.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  f.ro.error_limit = 4;
-  bcf_req_free (f.r);
-  f.r = bcf_req_new (f.c, &f.ro);
+  fx_set_error_limit (&f, 4);
   pattern (a, sizeof a, 0x77);
   for (int i = 0; i < 8; i++)
     ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
@@ -561,7 +589,7 @@ END_TEST
 START_TEST (unforgettable_write_fails)
 {
   struct fx f;
-  uint8_t a[65536], b2[65536], got[65536], back[65536], back10[65536];
+  uint8_t a[65536], b2[65536], got[65536];
   struct bcf_io_faults faults = { .fail_every = 1, .fail_writes_only = true };
   struct bcf_req_stats rs;
   int rc, rc10;
@@ -575,28 +603,18 @@ START_TEST (unforgettable_write_fails)
   bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
   pattern (b2, sizeof b2, 0x32);
   rc = bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false);
-  mem_backing_peek (f.mb, back, sizeof back, 0);
   rc10 = bcf_req_write (f.r, &f.b, b2, sizeof b2, 10 * MiB, false);
   ck_assert (rc10 == 0 || rc10 == -EIO);
-  mem_backing_peek (f.mb, back10, sizeof back10, 10 * MiB);
   bcf_req_get_stats (f.r, &rs);
   ck_assert (rs.passthrough);
 
-  /* Restart with the device back: what the cache serves must be what the
-   * backing store holds. */
-  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
-  fx_close (&f);
-  fx_open (&f);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
-  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
-                 "after a restart the cache serves data the backing store "
-                 "no longer holds (the write returned %d)", rc);
+  restart_and_check_agrees (&f, 0, rc);
   ck_assert_int_eq (rc, -EIO);
-  ck_assert (memcmp (back, a, sizeof back) == 0);
+  mem_backing_peek (f.mb, got, sizeof got, 0);
+  ck_assert (memcmp (got, a, sizeof got) == 0);   /* the write did not land */
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 10 * MiB), 0);
-  ck_assert (memcmp (got, back10, sizeof got) == 0);
   if (rc10 == 0)
-    ck_assert (memcmp (back10, b2, sizeof back10) == 0);
+    ck_assert (memcmp (got, b2, sizeof got) == 0);
   /* The device works again: the same write succeeds. */
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false), 0);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
@@ -611,14 +629,12 @@ END_TEST
 START_TEST (unforgettable_write_fails_in_passthrough)
 {
   struct fx f;
-  uint8_t a[65536], b2[65536], got[65536], back[65536];
+  uint8_t a[65536], b2[65536], got[65536];
   struct bcf_io_faults faults = { .fail_every = 1 };
   int rc;
 
   fx_init (&f, "unforgettable-pt.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  f.ro.error_limit = 1;
-  bcf_req_free (f.r);
-  f.r = bcf_req_new (f.c, &f.ro);
+  fx_set_error_limit (&f, 1);
   pattern (a, sizeof a, 0x41);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, MiB, false), 0);
@@ -631,15 +647,7 @@ START_TEST (unforgettable_write_fails_in_passthrough)
   ck_assert (memcmp (got, a, sizeof got) == 0);
   pattern (b2, sizeof b2, 0x42);
   rc = bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false);
-  mem_backing_peek (f.mb, back, sizeof back, 0);
-
-  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
-  fx_close (&f);
-  fx_open (&f);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
-  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
-                 "after a restart the cache serves data the backing store "
-                 "no longer holds (the write returned %d)", rc);
+  restart_and_check_agrees (&f, 0, rc);
   ck_assert_int_eq (rc, -EIO);
   fx_free (&f);
 }
