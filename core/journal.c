@@ -322,12 +322,15 @@ flush_seq (struct bcf_cache *c, uint64_t seq, bool meta)
 
   pthread_mutex_lock (&j->lock);
   for (;;) {
+    /* Durable first: what is on disk stays so after a later failure, and
+     * a caller waiting only for entries written before it (a durable
+     * invalidation waits for its leaf's jseq) must not fail for them. */
+    if (j->durable_seq >= seq)
+      break;
     if (c->failed) {
       r = -EIO;
       break;
     }
-    if (j->durable_seq >= seq)
-      break;
     if (j->writing) {
       pthread_cond_wait (&j->wait, &j->lock);
       continue;

@@ -242,6 +242,35 @@ START_TEST (test_make_bcache_interop)
 }
 END_TEST
 
+/* Once the cache has failed (here: it was given up and the device refused
+ * the mark), a durable invalidation still succeeds where the journal
+ * entries it must wait for were written before the failure: the leaf's
+ * jseq names a durable entry.  It fails only where it needs the journal
+ * now.  (With flush_seq checking the failure before durability, any leaf
+ * that had ever held a journalled key failed, and with it most writes
+ * through the filter while the device refused writes.) */
+START_TEST (test_invalidate_after_failure)
+{
+  struct fixture f;
+  struct bcf_io_faults refuse = { .fail_every = 1, .fail_writes_only = true };
+  uint8_t *data = calloc (1, 4096);
+
+  fixture_init (&f, "failed.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_insert (f.c, 0, 4096, data, false, true), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &refuse);
+  ck_assert_int_lt (bcf_cache_abandon (f.c), 0);
+  /* Same leaf, nothing cached there, its journalled key durable. */
+  ck_assert_int_eq (bcf_invalidate (f.c, 8 << 20, 65536, true), 0);
+  /* The cached block needs a journal write that cannot happen. */
+  ck_assert_int_eq (bcf_invalidate (f.c, 0, 4096, true), -EIO);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The cache-miss protocol: an invalidation between begin and fill makes
  * the fill collide, and nothing is cached. */
 START_TEST (test_miss_collision)
@@ -1228,6 +1257,7 @@ engine_suite (void)
   add (s, "format_reopen", test_format_reopen);
   add (s, "make_bcache_interop", test_make_bcache_interop);
   add (s, "miss_collision", test_miss_collision);
+  add (s, "invalidate_after_failure", test_invalidate_after_failure);
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "miss_fill_many", test_miss_fill_many);
   add (s, "model_random", test_model_random);
