@@ -80,9 +80,9 @@
  * back after a crash), the cache is abandoned: bcf_cache_abandon marks it
  * so the next open starts empty, and from then on everything passes
  * through to the backing store.  If even that mark cannot be written, it
- * is tried again before every later change to the backing store, so a
- * device that recovers is marked before more writes pass it by; and until
- * it is, a change to a range whose invalidation cannot be made durable
+ * is tried again by later changes to the backing store, at most once per
+ * abandon_retry_ms and never with a writer waiting for it; until it is
+ * written, a change to a range whose invalidation cannot be made durable
  * fails with EIO rather than leave old data for a later start to serve
  * (the one exception, argued at begin_backing_change).
  *
@@ -118,6 +118,7 @@
 #define PLAN_EXTENTS 16
 #define PREFETCH_CHUNK (1u << 20)
 #define DEFAULT_ERROR_LIMIT 64
+#define DEFAULT_ABANDON_RETRY_MS 1000
 #define FILL_WORKERS 2
 #define FILL_QUEUE_BYTES (32u << 20)
 #define FILL_BATCH 64                   /* fills per device submission */
@@ -147,7 +148,9 @@ struct bcf_req {
   _Atomic uint64_t device_errors;
   atomic_bool passthrough;
   atomic_bool abandoned;        /* the device knows it was given up */
-  pthread_mutex_t abandon_lock;
+  pthread_mutex_t abandon_lock; /* one mark attempt at a time */
+  _Atomic uint64_t abandon_next_ns;     /* no attempt before (0: now) */
+  uint64_t abandon_retry_ns;
 
   /* The fill queue and its workers. */
   pthread_mutex_t fill_lock;
@@ -421,6 +424,8 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   if (!r)
     return NULL;
   pthread_mutex_init (&r->abandon_lock, NULL);
+  r->abandon_retry_ns = (uint64_t) (o->abandon_retry_ms ? o->abandon_retry_ms
+                                    : DEFAULT_ABANDON_RETRY_MS) * 1000000ull;
   pthread_mutex_init (&r->fill_lock, NULL);
   {
     pthread_condattr_t ca;      /* timed waits on CLOCK_MONOTONIC */
@@ -587,17 +592,30 @@ cache_off (struct bcf_req *r)
 }
 
 /* Mark the device as given up, so the next open starts empty.  While
- * that fails (the device is failing), every change to the backing store
- * tries again first: a device that comes back is marked before anything
- * more passes it by.  If it never comes back, it is never read again. */
+ * that fails (the device is failing), later changes to the backing store
+ * try again, so that a device that comes back is marked and writes stop
+ * needing begin_backing_change's check.  Nothing depends on when that
+ * happens for safety: until the mark is written, every change is checked
+ * there.  So a failing device is not hammered with a superblock write
+ * (and an error in the log) per client write: attempts are at least
+ * abandon_retry_ns apart, and a writer that finds another attempt under
+ * way, or the last one too recent, goes on without waiting.  A device
+ * that hangs instead of failing then stalls one writer, not all. */
 static void
 abandon_device (struct bcf_req *r)
 {
-  if (atomic_load (&r->abandoned))
+  if (atomic_load (&r->abandoned) ||
+      monotonic_ns () < atomic_load (&r->abandon_next_ns) ||
+      pthread_mutex_trylock (&r->abandon_lock) != 0)
     return;
-  pthread_mutex_lock (&r->abandon_lock);
-  if (!atomic_load (&r->abandoned) && bcf_cache_abandon (r->c) == 0)
-    atomic_store (&r->abandoned, true);
+  if (!atomic_load (&r->abandoned) &&
+      monotonic_ns () >= atomic_load (&r->abandon_next_ns)) {
+    if (bcf_cache_abandon (r->c) == 0)
+      atomic_store (&r->abandoned, true);
+    else
+      atomic_store (&r->abandon_next_ns,
+                    monotonic_ns () + r->abandon_retry_ns);
+  }
   pthread_mutex_unlock (&r->abandon_lock);
 }
 
@@ -829,9 +847,8 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
  * store could have served, but only for ranges the cache holds, and only
  * while the device takes no writes at all; everywhere else writes pass
  * through.  In pass-through the same holds until the mark is written:
- * every change first retries it (a device that came back is marked
- * before anything more passes it by), and checks the span only if that
- * fails. */
+ * a change may first retry it (abandon_device), and checks the span
+ * whenever it is not written. */
 static int
 begin_backing_change (struct bcf_req *r, struct span s,
                       struct bcf_bypass_token *tok)

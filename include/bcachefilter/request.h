@@ -43,6 +43,10 @@ struct bcf_req_opts {
    * through (every error is served from the backing store anyway);
    * 0 = 64. */
   unsigned error_limit;
+  /* After a failed attempt to mark the cache device as given up, how
+   * long before the next one (writes never wait for it; see
+   * abandon_device in core/request.c); 0 = 1000 ms. */
+  unsigned abandon_retry_ms;
 };
 
 /* c must stay open for the lifetime of the request layer. */

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,9 +39,17 @@ static char tmpdir[256];
 static unsigned seed;
 
 
+/* Attempts to mark the cache device as given up, as the engine logs
+ * them (bcf_cache_abandon). */
+static atomic_uint abandon_marked, abandon_refused;
+
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
 {
+  if (strstr (msg, "cannot mark the cache device"))
+    atomic_fetch_add (&abandon_refused, 1);
+  else if (strstr (msg, "abandoned: the next open starts"))
+    atomic_fetch_add (&abandon_marked, 1);
   if (level >= BCF_LOG_ERROR || getenv ("TEST_VERBOSE"))
     fprintf (stderr, "engine: %s\n", msg);
 }
@@ -501,11 +510,13 @@ START_TEST (bypass_rules)
 }
 END_TEST
 
-/* A new request layer over the same cache, giving up after n errors. */
+/* A new request layer over the same cache, giving up after n errors and
+ * retrying a refused abandonment mark after retry_ms (0: the default). */
 static void
-fx_set_error_limit (struct fx *f, unsigned n)
+fx_set_error_limit (struct fx *f, unsigned n, unsigned retry_ms)
 {
   f->ro.error_limit = n;
+  f->ro.abandon_retry_ms = retry_ms;
   bcf_req_free (f->r);
   f->r = bcf_req_new (f->c, &f->ro);
   ck_assert_ptr_nonnull (f->r);
@@ -541,7 +552,7 @@ START_TEST (device_errors_pass_through)
   struct bcf_req_stats rs;
 
   fx_init (&f, "errors.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  fx_set_error_limit (&f, 4);
+  fx_set_error_limit (&f, 4, 1);
   pattern (a, sizeof a, 0x77);
   for (int i = 0; i < 8; i++)
     ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
@@ -562,16 +573,67 @@ START_TEST (device_errors_pass_through)
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
   ck_assert (memcmp (got, a, sizeof a) == 0);
-  /* ... and once it recovers, the next write marks it first. */
+  /* ... and once it recovers, the next write (past the 1 ms between
+   * attempts) marks it first. */
   bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  usleep (5000);
+  atomic_store (&abandon_marked, 0);
   pattern (a, sizeof a, 0x79);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert_uint_eq (atomic_load (&abandon_marked), 1);
   fx_close (&f);
   /* Reopen: the abandoned cache starts empty, so no old data comes back. */
   fx_open (&f);
   ck_assert (!cached (&f, 0, sizeof a));
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
   ck_assert (memcmp (got, a, sizeof a) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* A device that refuses writes is not asked to take the abandonment mark
+ * once per client write (each attempt is a superblock write, and an
+ * error in the log): attempts are at least abandon_retry_ms apart, and
+ * writes go on meanwhile.  After the device recovers, the first write
+ * past the interval marks it. */
+START_TEST (abandon_retries_are_spaced)
+{
+  struct fx f;
+  uint8_t a[4096];
+  struct bcf_io_faults refuse = { .fail_every = 1, .fail_writes_only = true };
+  struct bcf_io_faults reads = { .fail_every = 1 };
+  uint64_t t0;
+  unsigned refused;
+
+  fx_init (&f, "spaced.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  fx_set_error_limit (&f, 1, 200);
+  pattern (a, sizeof a, 0x51);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  atomic_store (&abandon_refused, 0);
+  atomic_store (&abandon_marked, 0);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &reads);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, a, sizeof a, 0), 0);  /* gives up */
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &refuse);
+  t0 = (uint64_t) time (NULL);
+  for (unsigned i = 0; i < 200; i++)      /* nothing cached out there */
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
+                                     32 * MiB + i * 65536, false), 0);
+  refused = atomic_load (&abandon_refused);
+  ck_assert_uint_ge (refused, 1);
+  /* One attempt per 200 ms of the loop, and the first. */
+  ck_assert_msg (refused <= 2 + 5 * ((uint64_t) time (NULL) - t0 + 1),
+                 "%u attempts to mark the device in 200 writes", refused);
+  ck_assert_uint_eq (atomic_load (&abandon_marked), 0);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  usleep (250000);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 40 * MiB, false),
+                    0);
+  ck_assert_uint_eq (atomic_load (&abandon_marked), 1);
+  fx_close (&f);
+  fx_open (&f);                           /* abandoned: starts empty */
+  ck_assert (!cached (&f, 0, sizeof a));
   fx_free (&f);
 }
 END_TEST
@@ -634,7 +696,7 @@ START_TEST (unforgettable_write_fails_in_passthrough)
   int rc;
 
   fx_init (&f, "unforgettable-pt.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  fx_set_error_limit (&f, 1);
+  fx_set_error_limit (&f, 1, 0);
   pattern (a, sizeof a, 0x41);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, MiB, false), 0);
@@ -869,6 +931,7 @@ request_suite (void)
   ADD (unaligned_requests);
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
+  ADD (abandon_retries_are_spaced);
   ADD (unforgettable_write_fails);
   ADD (unforgettable_write_fails_in_passthrough);
   ADD (fill_queue_full_drops);
