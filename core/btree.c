@@ -327,7 +327,24 @@ btree_free_buckets (struct bcf_cache *c)
  * only in memory.  Without this every split would make its keys look
  * persistent until the next checkpoint.  side < 0 takes the part of
  * from's open set before position mid, side > 0 the part after it,
- * side == 0 all of it. */
+ * side == 0 all of it; clip_to_side cuts one key to its side (false:
+ * nothing of it is there). */
+static bool
+clip_to_side (struct ckey *k, const struct ckey *mid, int side)
+{
+  const uint64_t m = ckey_end (mid);
+
+  if (ckey_inode (k) != ckey_inode (mid))
+    return (ckey_inode (k) < ckey_inode (mid)) == (side < 0);
+  if (side < 0 ? ckey_start (k) >= m : ckey_end (k) <= m)
+    return false;                         /* wholly on the other side */
+  if (side < 0 && ckey_end (k) > m)
+    ckey_cut_back (k, ckey_end (k) - m);
+  if (side > 0 && ckey_start (k) < m)
+    ckey_cut_front (k, m - ckey_start (k));
+  return true;
+}
+
 static int
 inherit_open (struct btree_node *to, const struct btree_node *from,
               const struct ckey *mid, int side)
@@ -336,27 +353,8 @@ inherit_open (struct btree_node *to, const struct btree_node *from,
     struct ckey k = from->open.k[i];
     int r;
 
-    if (side != 0) {
-      uint64_t ki = ckey_inode (&k), mi = ckey_inode (mid);
-      uint64_t s = ckey_start (&k), e = ckey_end (&k), m = ckey_end (mid);
-
-      if (ki != mi) {
-        if ((ki < mi) != (side < 0))
-          continue;
-      }
-      else if (side < 0) {
-        if (s >= m)
-          continue;
-        if (e > m)
-          ckey_cut_back (&k, e - m);
-      }
-      else {
-        if (e <= m)
-          continue;
-        if (s < m)
-          ckey_cut_front (&k, m - s);
-      }
-    }
+    if (side != 0 && !clip_to_side (&k, mid, side))
+      continue;
     if ((r = keyset_append (&to->open, &k)) < 0)
       return r;
   }

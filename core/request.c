@@ -885,19 +885,17 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
     return b->ops->pwrite (b->opaque, buf, count, offset, fua);
-  if (cache_off (r)) {
-    if ((rc = begin_backing_change (r, s, &tok)) < 0)
-      return rc;
-    rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);
-    bcf_bypass_end (r->tracker, &tok);
-    return rc;
-  }
 
-  insert = !should_bypass (r, offset, count) &&
-           atomic_load (&r->mode) == BCF_MODE_WRITETHROUGH &&
-           in.start < in.end;
-  if (!insert)
-    bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+  /* In pass-through nothing is inserted, and nothing counted as bypassed
+   * (the stream table and the counters are the cache's). */
+  insert = false;
+  if (!cache_off (r)) {
+    insert = !should_bypass (r, offset, count) &&
+             atomic_load (&r->mode) == BCF_MODE_WRITETHROUGH &&
+             in.start < in.end;
+    if (!insert)
+      bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+  }
 
   if ((rc = begin_backing_change (r, s, &tok)) < 0)     /* W1, W2 */
     return rc;

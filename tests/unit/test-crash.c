@@ -98,6 +98,16 @@ run_open (struct run *r, enum bcf_format_policy policy, bool must)
     ck_assert_msg (e == 0, "seed %u: open: %s (%s)", seed, err, strerror (-e));
 }
 
+/* Cut the power (bcf_cache_test_crash in mode, seeded by crash_seed) and
+ * open the cache again, as the next start would. */
+static void
+run_crash_reopen (struct run *r, uint64_t crash_seed, int mode)
+{
+  bcf_cache_test_crash (r->c, crash_seed, mode);
+  r->c = NULL;
+  run_open (r, BCF_FORMAT_NEVER, true);
+}
+
 static void
 run_init_policy (struct run *r, const char *name, uint64_t cache_bytes,
                  unsigned bucket_sectors, unsigned replacement)
@@ -383,9 +393,7 @@ crash_workload (enum workload w)
     run_init (&r, "crash.img", cache_bytes, bucket);
     bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
     workload (&r, w, seed);
-    bcf_cache_test_crash (r.c, seed ^ n, BCF_IO_CRASH_RANDOM);
-    r.c = NULL;
-    run_open (&r, BCF_FORMAT_NEVER, true);
+    run_crash_reopen (&r, seed ^ n, BCF_IO_CRASH_RANDOM);
     check_recovered (&r, w, n);
     run_free (&r);
     tested++;
@@ -576,9 +584,7 @@ gen_reuse_crash (int mode, uint64_t cseed, bool ckpt)
                  bucket);
   ck_assert_int_eq (bcf_flush (r.c), 0);
 
-  bcf_cache_test_crash (r.c, cseed, mode);
-  r.c = NULL;
-  run_open (&r, BCF_FORMAT_NEVER, true);
+  run_crash_reopen (&r, cseed, mode);
   ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
 
   ck_assert_int_eq (bcf_lookup (r.c, 0, BLOCK, &e, 1, &n), 0);
@@ -737,9 +743,7 @@ crash_and_check_block0 (struct run *r, int mode, uint64_t crash_seed,
   struct bcf_extent e;
   unsigned n;
 
-  bcf_cache_test_crash (r->c, crash_seed, mode);
-  r->c = NULL;
-  run_open (r, BCF_FORMAT_NEVER, true);
+  run_crash_reopen (r, crash_seed, mode);
   ck_assert_int_eq (bcf_cache_fsck (r->c, NULL, 0), 0);
   ck_assert_int_eq (bcf_lookup (r->c, 0, BLOCK, &e, 1, &n), 0);
   ck_assert_msg (e.kind != BCF_EXTENT_HIT, "seed %u crash mode %d (%s): "
@@ -828,12 +832,10 @@ arm_undo_log (struct run *r)
 static uint64_t
 journal_writes (struct run *r)
 {
-  uint64_t w;
+  struct bcf_cache_stats st;
 
-  pthread_mutex_lock (&r->c->journal.lock);
-  w = r->c->journal.writes;
-  pthread_mutex_unlock (&r->c->journal.lock);
-  return w;
+  bcf_cache_stats (r->c, &st);
+  return st.journal_writes;
 }
 
 static void
@@ -897,9 +899,7 @@ invalidate_after (enum before how, int mode)
   if (how >= B_INSERT) {
     ck_assert_int_eq (bcf_insert (r.c, 0, BLOCK, r.buf, false, true), 0);
     if (how == B_REPLAYED) {
-      bcf_cache_test_crash (r.c, seed, BCF_IO_CRASH_KEEP_ALL);
-      r.c = NULL;
-      run_open (&r, BCF_FORMAT_NEVER, true);
+      run_crash_reopen (&r, seed, BCF_IO_CRASH_KEEP_ALL);
       arm_undo_log (&r);
     }
   }
@@ -1028,9 +1028,7 @@ START_TEST (test_fill_survives_crash)
   }
   ck_assert_msg (st.checkpoint.count > n0, "seed %u: no checkpoint within "
                  "5 s of a fill, with checkpoint_interval_ms = 100", seed);
-  bcf_cache_test_crash (r.c, seed, BCF_IO_CRASH_LOSE_ALL);
-  r.c = NULL;
-  run_open (&r, BCF_FORMAT_NEVER, true);
+  run_crash_reopen (&r, seed, BCF_IO_CRASH_LOSE_ALL);
   assert_block0_hit (&r, "filled, then a timed checkpoint and a crash");
   check_hits_equal_backing (&r, "seed %u: after the timed checkpoint", seed);
   run_free (&r);

@@ -614,7 +614,6 @@ START_TEST (abandon_retries_are_spaced)
   atomic_store (&abandon_marked, 0);
   bcf_io_set_faults (bcf_cache_test_io (f.c), &reads);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, a, sizeof a, 0), 0);  /* gives up */
-  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
   bcf_io_set_faults (bcf_cache_test_io (f.c), &refuse);
   t0 = (uint64_t) time (NULL);
   for (unsigned i = 0; i < 200; i++)      /* nothing cached out there */
