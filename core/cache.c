@@ -122,6 +122,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   io.mode = (enum bcf_io_mode) opts->io_mode;
   io.direct = opts->direct_off ? BCF_IO_DIRECT_OFF : BCF_IO_DIRECT_AUTO;
   io.create_size = opts->create_size;
+  io.claim = opts->claim;
   r = bcf_io_open (&io, &c->io, err, errlen);
   if (r < 0)
     goto fail;

@@ -68,6 +68,7 @@
 #include <linux/fs.h>
 #include <liburing.h>
 
+#include "bcachefilter/claim.h"
 #include "io.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -260,6 +261,8 @@ struct undo_rec {
 struct bcf_io {
   int fd;
   char *path;
+  const struct bcf_claim *claim;        /* writers: the device's claim */
+  struct bcf_claim *own_claim;          /* ... if we took it ourselves */
   uint64_t size;
   unsigned block_size;
   bool readonly, direct, blockdev;
@@ -1096,65 +1099,6 @@ bcf_io_flush (struct bcf_io *io)
 
 /* ---- Open / close ----------------------------------------------------- */
 
-/* fsync the directory holding path, so a new entry survives a crash. */
-static int
-sync_parent_dir (const char *path)
-{
-  CLEANUP_FREE char *dir = strdup (path);
-  CLEANUP_CLOSE int fd = -1;
-  char *slash;
-
-  if (dir == NULL)
-    return -1;
-  slash = strrchr (dir, '/');
-  if (slash == NULL)
-    strcpy (dir, ".");
-  else if (slash == dir)
-    dir[1] = '\0';
-  else
-    *slash = '\0';
-  fd = open (dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd == -1)
-    return -1;
-  return fsync (fd);
-}
-
-/* Create path with the given size unless it exists.  Space is reserved
- * up front where the filesystem can, so a full disk shows now rather than
- * as write errors later. */
-static int
-create_file (const char *path, uint64_t size, char *err, size_t errlen)
-{
-  CLEANUP_CLOSE int fd = open (path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
-                               0644);
-  int r;
-
-  if (fd < 0) {
-    if (errno == EEXIST)
-      return 0;
-    r = -errno;
-    set_err (err, errlen, "cannot create %s: %s", path, strerror (errno));
-    return r;
-  }
-  if (fallocate (fd, 0, 0, size) == -1 &&
-      ((errno != EOPNOTSUPP && errno != ENOSYS) || ftruncate (fd, size) == -1)) {
-    r = -errno;
-    set_err (err, errlen, "cannot create %s (%" PRIu64 " bytes): %s",
-             path, size, strerror (errno));
-    unlink (path);
-    return r;
-  }
-  /* The superblock written next is only durable if the file is too. */
-  if (fsync (fd) == -1 || sync_parent_dir (path) == -1) {
-    r = -errno;
-    set_err (err, errlen, "cannot sync new file %s: %s", path,
-             strerror (errno));
-    unlink (path);
-    return r;
-  }
-  return 0;
-}
-
 /* Read one block at offset 0 through the O_DIRECT fd: 0 if accepted, or
  * the -errno.  An empty file accepts anything. */
 static int
@@ -1171,17 +1115,13 @@ probe_direct (int fd, unsigned bs)
   return n < 0 ? -errno : 0;
 }
 
+/* The descriptor for I/O.  No O_EXCL for block devices: a writer's
+ * claim (core/claim.c) holds the device exclusively already, and a second
+ * exclusive open would conflict with it. */
 static int
 open_fd (const struct bcf_io_opts *opts, bool direct)
 {
   int flags = (opts->readonly ? O_RDONLY : O_RDWR) | O_CLOEXEC;
-  struct stat st;
-
-  /* A block device we write is claimed exclusively: the open fails with
-   * EBUSY if it is mounted, held by the kernel's bcache or by another
-   * bcachefilter, instead of two writers corrupting each other. */
-  if (!opts->readonly && stat (opts->path, &st) == 0 && S_ISBLK (st.st_mode))
-    flags |= O_EXCL;
 
   if (direct) {
     if (opts->test_flags & BCF_IO_TEST_REFUSE_DIRECT) {
@@ -1310,17 +1250,25 @@ bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
     set_err (err, errlen, "no cache device path given");
     return -EINVAL;
   }
-  if (opts->create_size && !opts->readonly) {
-    r = create_file (opts->path, opts->create_size, err, errlen);
-    if (r < 0)
-      return r;
-  }
 
   io = calloc (1, sizeof *io);
   if (io == NULL || (io->path = strdup (opts->path)) == NULL) {
     free (io);
     set_err (err, errlen, "out of memory");
     return -ENOMEM;
+  }
+  /* A writer claims the device before anything is read or written (and
+   * creates the file if asked), unless its caller holds a claim. */
+  io->claim = opts->claim;
+  if (!opts->readonly && !io->claim) {
+    r = bcf_claim_open (opts->path, opts->create_size, &io->own_claim,
+                        err, errlen);
+    if (r < 0) {
+      free (io->path);
+      free (io);
+      return r;
+    }
+    io->claim = io->own_claim;
   }
   pthread_mutex_init (&io->undo_lock, NULL);
   io->readonly = opts->readonly;
@@ -1335,6 +1283,12 @@ bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
   }
   else
     r = 0;
+  if (r == 0 && io->claim && !bcf_claim_covers_fd (io->claim, io->fd)) {
+    set_err (err, errlen, "%s is no longer the file or device claimed as "
+             "%s (replaced meanwhile?)", opts->path,
+             bcf_claim_path (io->claim));
+    r = -ESTALE;
+  }
   if (r == 0)
     r = probe_geometry (io, opts, err, errlen);
   if (r == 0)
@@ -1359,6 +1313,7 @@ bcf_io_close (struct bcf_io *io)
     r = -errno;
   undo_clear (io);
   pthread_mutex_destroy (&io->undo_lock);
+  bcf_claim_release (io->own_claim);
   free (io->path);
   free (io);
   return r;

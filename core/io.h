@@ -12,10 +12,11 @@
  *   devices and, for files, 512 or 4096: whichever an O_DIRECT probe read
  *   accepts (512 when buffered).  The size is rounded down to a multiple
  *   of the block size: a partial tail block cannot be addressed by aligned
- *   I/O.  (An empty file cannot be probed and gets 512.)  A block
- *   device opened for writing is opened O_EXCL, so a
- *   mounted device or one another program holds exclusively is refused
- *   (EBUSY) rather than shared.
+ *   I/O.  (An empty file cannot be probed and gets 512.)  A device
+ *   opened for writing is claimed first (include/bcachefilter/claim.h:
+ *   flock, and O_EXCL for block devices), so a second writer, a mounted
+ *   device or one another program holds exclusively is refused (EBUSY)
+ *   rather than shared.
  *
  * - bcf_io_submit: all segments of one request (reads and writes mixed)
  *   queued together and waited for.  In io_uring mode each thread has its
@@ -135,14 +136,22 @@ enum bcf_io_direct {
 #define BCF_IO_TEST_REFUSE_DIRECT 0x1   /* act as if O_DIRECT gave EINVAL */
 #define BCF_IO_TEST_NO_URING      0x2   /* act as if io_uring gave ENOSYS */
 
+struct bcf_claim;
+
 struct bcf_io_opts {
   const char *path;
   bool readonly;
   enum bcf_io_mode mode;
   enum bcf_io_direct direct;
-  /* If non-zero and path does not exist, create a file of this size.  An
-   * existing file is used as it is, whatever its size. */
+  /* If non-zero and path does not exist, create a file of this size
+   * (bcf_claim_open).  An existing file is used as it is, whatever its
+   * size (unless it is empty). */
   uint64_t create_size;
+  /* A writer's claim on the device (include/bcachefilter/claim.h), taken
+   * by the caller; NULL: a writer open claims the device itself (and
+   * fails with -EBUSY if another process holds it) and releases it at
+   * close. */
+  const struct bcf_claim *claim;
   unsigned test_flags;
 };
 

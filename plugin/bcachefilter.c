@@ -54,6 +54,7 @@
 #include <nbdkit-filter.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
 #include "bcachefilter/request.h"
 #include "bcachefilter/stats.h"
@@ -100,6 +101,7 @@ static bool id_any;
 
 /* ---- global state (after .after_fork) --------------------------------------------- */
 
+static struct bcf_claim *claim;          /* from .get_ready on */
 static struct bcf_cache *cache;
 static struct bcf_req *req;
 static uint64_t export_size;
@@ -453,43 +455,8 @@ probe_cache_device (void)
   int fd;
 
   if (stat (cfg.path, &s) == -1) {
-    char *dir, *slash;
-    int ok;
-
-    if (errno != ENOENT) {
-      nbdkit_error ("bcache=%s: %m", cfg.path);
-      return -1;
-    }
-    if (cfg.create_size == 0) {
-      nbdkit_error ("bcache=%s does not exist: give bcache-size=SIZE to "
-                    "create a cache file, or the path of a device", cfg.path);
-      return -1;
-    }
-    if (cfg.format == BCF_FORMAT_NEVER) {
-      nbdkit_error ("bcache=%s does not exist and bcache-format=never "
-                    "forbids creating it", cfg.path);
-      return -1;
-    }
-    dir = strdup (cfg.path);
-    if (!dir) {
-      nbdkit_error ("strdup: %m");
-      return -1;
-    }
-    slash = strrchr (dir, '/');
-    if (slash == dir)
-      dir[1] = '\0';
-    else if (slash)
-      *slash = '\0';
-    else
-      strcpy (dir, ".");
-    ok = access (dir, W_OK | X_OK) == 0;
-    if (!ok)
-      nbdkit_error ("bcache=%s cannot be created: directory %s: %m",
-                    cfg.path, dir);
-    free (dir);
-    if (!ok)
-      return -1;
-    return check_format_size ((uint64_t) cfg.create_size, "bcache-size");
+    nbdkit_error ("bcache=%s: %m", cfg.path);
+    return -1;
   }
   if (!S_ISREG (s.st_mode) && !S_ISBLK (s.st_mode)) {
     nbdkit_error ("bcache=%s is neither a regular file nor a block device",
@@ -576,9 +543,82 @@ probe_cache_device (void)
   }
 }
 
+/* A cache file that does not exist yet: may it be created (claiming it
+ * creates it)?  0 also when it exists. */
+static int
+check_new_file (void)
+{
+  struct stat s;
+  char *dir, *slash;
+  int ok;
+
+  if (stat (cfg.path, &s) == 0)
+    return 0;
+  if (errno != ENOENT) {
+    nbdkit_error ("bcache=%s: %m", cfg.path);
+    return -1;
+  }
+  if (cfg.create_size == 0) {
+    nbdkit_error ("bcache=%s does not exist: give bcache-size=SIZE to "
+                  "create a cache file, or the path of a device", cfg.path);
+    return -1;
+  }
+  if (cfg.format == BCF_FORMAT_NEVER) {
+    nbdkit_error ("bcache=%s does not exist and bcache-format=never "
+                  "forbids creating it", cfg.path);
+    return -1;
+  }
+  dir = strdup (cfg.path);
+  if (!dir) {
+    nbdkit_error ("strdup: %m");
+    return -1;
+  }
+  slash = strrchr (dir, '/');
+  if (slash == dir)
+    dir[1] = '\0';
+  else if (slash)
+    *slash = '\0';
+  else
+    strcpy (dir, ".");
+  ok = access (dir, W_OK | X_OK) == 0;
+  if (!ok)
+    nbdkit_error ("bcache=%s cannot be created: directory %s: %m",
+                  cfg.path, dir);
+  free (dir);
+  if (!ok)
+    return -1;
+  return check_format_size ((uint64_t) cfg.create_size, "bcache-size");
+}
+
+/* Claim the cache device before anything reads or writes it, and hold
+ * the claim for the life of the process: nbdkit forks into the
+ * background after .get_ready, and the child inherits the claim's
+ * descriptor, so the lock is never let go in between (DESIGN.md "One
+ * writer per cache").  Claiming a missing file creates it. */
+static int
+claim_cache_device (void)
+{
+  char err[1024];
+  int r = bcf_claim_open (cfg.path, (uint64_t) cfg.create_size, &claim,
+                          err, sizeof err);
+
+  if (r == -EBUSY) {
+    nbdkit_error ("bcache=%s: %s (see ONE WRITER PER CACHE in "
+                  "nbdkit-bcachefilter-filter(1))", cfg.path, err);
+    return -1;
+  }
+  if (r < 0) {
+    nbdkit_error ("bcache=%s: %s", cfg.path, err);
+    return -1;
+  }
+  return 0;
+}
+
 static int
 filter_get_ready (int thread_model)
 {
+  if (check_new_file () == -1 || claim_cache_device () == -1)
+    return -1;
   return probe_cache_device ();
 }
 
@@ -729,7 +769,7 @@ filter_after_fork (nbdkit_backend *backend)
   export_size = (uint64_t) open_size;
 
   o.path = cfg.path;
-  o.create_size = (uint64_t) cfg.create_size;
+  o.claim = claim;               /* created the file if it was missing */
   o.io_mode = cfg.io_mode;
   o.direct_off = !cfg.direct;
   o.format = cfg.format;
@@ -816,6 +856,8 @@ filter_cleanup (nbdkit_backend *backend)
                     strerror (-r));
     cache = NULL;
   }
+  bcf_claim_release (claim);
+  claim = NULL;
 }
 
 /* ---- connections ------------------------------------------------------------------ */

@@ -46,8 +46,8 @@
  *      make-bcache with another geometry than asked for); --force
  *   4  DEVICE cannot hold a cache with this geometry (too small, block
  *      size below the device's logical block size, ...)
- *   5  DEVICE cannot be opened, created, read or written, or another
- *      error
+ *   5  DEVICE cannot be opened, created, read or written, is in use
+ *      by another process (a running proxy), or another error
  */
 
 #include <config.h>
@@ -68,6 +68,7 @@
 #include <linux/fs.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
 #include "io.h"
 
@@ -739,7 +740,15 @@ main (int argc, char *argv[])
       bch_uuid_unparse (ex.sb.set_uuid, set_uuid);
       human (bch_sb_bucket_sectors (&ex.sb) * BCH_SECTOR_SIZE, bucket,
              sizeof bucket);
+      char holder[1024];
+
       describe_live (&o, &lc, more, sizeof more);
+      if (bcf_claim_probe (o.path, holder, sizeof holder) == 1) {
+        device_error (o.path, "already holds a bcache cache (cache set %s), "
+                      "and it is in use by %s; refusing to format it",
+                      set_uuid, holder);
+        return EXIT_IO;
+      }
       device_error (o.path, "already holds a bcache cache (cache set %s: "
                     "%" PRIu64 " buckets of %s%s); refusing to format it: "
                     "use --force to destroy it", set_uuid, ex.sb.nbuckets,
@@ -808,7 +817,8 @@ main (int argc, char *argv[])
     int status = errno_to_exit (r);
 
     fflush (stdout);
-    if (ex.kind == EX_MISSING && unlink (o.path) == 0)
+    /* Not if the file is claimed by someone else: then it is theirs. */
+    if (ex.kind == EX_MISSING && r != -EBUSY && unlink (o.path) == 0)
       fprintf (stderr, "%s: %s: removed the file created for it\n",
                PROGRAM_NAME, o.path);
     /* The engine's messages mostly name the path already. */

@@ -86,6 +86,7 @@
 #include <linux/fs.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
 #include "engine.h"
 
@@ -2134,6 +2135,20 @@ forceable (int status)
 
 /* The engine keeps I/O buffers in a pool and an io_uring per thread for
  * reuse; give them back at exit so that leak checkers see a clean exit. */
+/* The device may have a writer (a running proxy): say so, since what
+ * we read from under it may be a moment old or mid-update.  We take no
+ * claim ourselves (bcachefilter/claim.h). */
+static void
+note_writer (const char *path)
+{
+  char holder[1024];
+
+  if (bcf_claim_probe (path, holder, sizeof holder) == 1)
+    fprintf (stderr, PROGRAM_NAME ": note: %s is in use by %s; it is being "
+             "written while we read it, so what follows may be stale\n",
+             path, holder);
+}
+
 static void
 release_engine_memory (void)
 {
@@ -2158,6 +2173,7 @@ main (int argc, char *argv[])
   fd = dev.fd;
   if (r != EXIT_OK)
     return r;
+  note_writer (opts.path);
 
   r = load_super (&dev);
   if (r != EXIT_OK && !(opts.force && forceable (r)))

@@ -36,6 +36,7 @@ extern "C" {
 #endif
 
 struct bcf_cache;
+struct bcf_claim;
 
 /* What to do with a device that holds no usable cache. */
 enum bcf_format_policy {
@@ -53,6 +54,10 @@ struct bcf_cache_opts {
                                      backing may be absent; writes fail
                                      with -EROFS */
   uint64_t create_size;           /* create the file with this size if missing */
+  /* The caller's claim on the device (bcachefilter/claim.h), held for
+   * as long as the cache is open; NULL: a writable open claims the
+   * device itself and fails with -EBUSY while another process has it. */
+  const struct bcf_claim *claim;
   int io_mode;                    /* enum bcf_io_mode (0 = auto) */
   bool direct_off;                /* never use O_DIRECT */
 
