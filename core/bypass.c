@@ -95,6 +95,7 @@
 #include <time.h>
 
 #include "bypass.h"
+#include "util.h"
 
 #define CHUNK_SIZE    (UINT64_C (1) << BCF_BYPASS_CHUNK_SHIFT)
 #define PAGE_WORDS    1024
@@ -305,7 +306,6 @@ struct bcf_bypass *
 bcf_bypass_new (uint64_t size)
 {
   struct bcf_bypass *t = calloc (1, sizeof *t);
-  pthread_condattr_t ca;
 
   if (t == NULL)
     return NULL;
@@ -324,10 +324,7 @@ bcf_bypass_new (uint64_t size)
   atomic_init (&t->readers, 0);
   atomic_init (&t->disabled, false);
   pthread_mutex_init (&t->lock, NULL);
-  pthread_condattr_init (&ca);
-  pthread_condattr_setclock (&ca, CLOCK_MONOTONIC);
-  pthread_cond_init (&t->cond, &ca);
-  pthread_condattr_destroy (&ca);
+  bcf_cond_init_monotonic (&t->cond);
   reserve_adjust (t);
   note_peak (t);
   return t;
@@ -355,14 +352,8 @@ bcf_bypass_free (struct bcf_bypass *t)
 static void
 wait_a_bit (struct bcf_bypass *t)
 {
-  struct timespec ts;
+  struct timespec ts = bcf_ns_to_timespec (bcf_now_ns () + RETRY_NS);
 
-  clock_gettime (CLOCK_MONOTONIC, &ts);
-  ts.tv_nsec += RETRY_NS;
-  if (ts.tv_nsec >= 1000000000) {
-    ts.tv_sec++;
-    ts.tv_nsec -= 1000000000;
-  }
   t->waiters++;
   pthread_cond_timedwait (&t->cond, &t->lock, &ts);
   t->waiters--;

@@ -41,6 +41,7 @@
 #include "bcachefilter/format.h"
 #include "bset.h"
 #include "io.h"
+#include "util.h"
 
 struct bcf_cache;
 struct btree_node;
@@ -451,14 +452,15 @@ struct bcf_cache {
   } stats;
 };
 
-/* Logging through opts.log. */
-void bcf_log (struct bcf_cache *c, enum bcf_log_level level,
-              const char *fmt, ...) __attribute__ ((format (printf, 3, 4)));
-/* Record one duration in a time stat. */
-void bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t,
-                      uint64_t ns);
-uint64_t bcf_now_ns (void);
-void bcf_sleep_ms (unsigned ms);
+/* Logging through opts.log (util.h). */
+#define bcf_log(c, level, ...) \
+  bcf_log_to ((c)->opts.log, (c)->opts.log_opaque, (level), __VA_ARGS__)
+/* Record one duration in one of the cache's time stats. */
+static inline void
+bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t, uint64_t ns)
+{
+  bcf_time_stat_add (t, &c->stats.time_lock, ns);
+}
 
 /* Pointer helpers. */
 static inline uint64_t

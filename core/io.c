@@ -70,6 +70,7 @@
 
 #include "bcachefilter/claim.h"
 #include "io.h"
+#include "util.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define BCF_ASAN 1
@@ -92,21 +93,6 @@
 #define MAX_CHUNK (1u << 30)
 /* How often a transient -EAGAIN / -EINTR completion is retried. */
 #define MAX_RETRIES 1000
-
-static void
-cleanup_free (void *ptr)
-{
-  free (*(void **) ptr);
-}
-#define CLEANUP_FREE __attribute__ ((cleanup (cleanup_free)))
-
-static void
-cleanup_close (int *fd)
-{
-  if (*fd >= 0)
-    close (*fd);
-}
-#define CLEANUP_CLOSE __attribute__ ((cleanup (cleanup_close)))
 
 /* ======================================================================
  * Aligned buffer pool

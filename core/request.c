@@ -114,6 +114,7 @@
 #include "bypass.h"
 #include "io.h"
 #include "seqdetect.h"
+#include "util.h"
 
 #define PLAN_EXTENTS 16
 #define PREFETCH_CHUNK (1u << 20)
@@ -244,22 +245,6 @@ run_fills (struct bcf_req *r, struct fill *batch, unsigned n)
   }
 }
 
-static uint64_t
-monotonic_ns (void)
-{
-  struct timespec ts;
-
-  clock_gettime (CLOCK_MONOTONIC, &ts);
-  return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
-static struct timespec
-ns_to_timespec (uint64_t ns)
-{
-  return (struct timespec) { .tv_sec = (time_t) (ns / 1000000000u),
-                             .tv_nsec = (long) (ns % 1000000000u) };
-}
-
 /* Should a worker take the queue now rather than let it grow?  Under
  * fill_lock. */
 static bool
@@ -308,8 +293,8 @@ fill_worker (void *arg)
       continue;
     }
     if (!batch_ready (r) &&
-        monotonic_ns () < batch->queued_ns + FILL_LINGER_NS) {
-      struct timespec until = ns_to_timespec (batch->queued_ns +
+        bcf_now_ns () < batch->queued_ns + FILL_LINGER_NS) {
+      struct timespec until = bcf_ns_to_timespec (batch->queued_ns +
                                               FILL_LINGER_NS);
       pthread_cond_timedwait (&r->fill_work, &r->fill_lock, &until);
       continue;
@@ -363,7 +348,7 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
     pthread_mutex_lock (&r->fill_lock);
     if (!r->fill_stop && r->fill_bytes + m->len <= FILL_QUEUE_BYTES) {
       f->seq = ++r->fill_enq;
-      f->queued_ns = monotonic_ns ();
+      f->queued_ns = bcf_now_ns ();
       if (r->fill_tail)
         r->fill_tail->next = f;
       else
@@ -427,13 +412,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->abandon_retry_ns = (uint64_t) (o->abandon_retry_ms ? o->abandon_retry_ms
                                     : DEFAULT_ABANDON_RETRY_MS) * 1000000ull;
   pthread_mutex_init (&r->fill_lock, NULL);
-  {
-    pthread_condattr_t ca;      /* timed waits on CLOCK_MONOTONIC */
-    pthread_condattr_init (&ca);
-    pthread_condattr_setclock (&ca, CLOCK_MONOTONIC);
-    pthread_cond_init (&r->fill_work, &ca);
-    pthread_condattr_destroy (&ca);
-  }
+  bcf_cond_init_monotonic (&r->fill_work);
   pthread_cond_init (&r->fill_done, NULL);
   r->c = c;
   r->block = bcf_cache_block_size (c);
@@ -605,16 +584,16 @@ static void
 abandon_device (struct bcf_req *r)
 {
   if (atomic_load (&r->abandoned) ||
-      monotonic_ns () < atomic_load (&r->abandon_next_ns) ||
+      bcf_now_ns () < atomic_load (&r->abandon_next_ns) ||
       pthread_mutex_trylock (&r->abandon_lock) != 0)
     return;
   if (!atomic_load (&r->abandoned) &&
-      monotonic_ns () >= atomic_load (&r->abandon_next_ns)) {
+      bcf_now_ns () >= atomic_load (&r->abandon_next_ns)) {
     if (bcf_cache_abandon (r->c) == 0)
       atomic_store (&r->abandoned, true);
     else
       atomic_store (&r->abandon_next_ns,
-                    monotonic_ns () + r->abandon_retry_ns);
+                    bcf_now_ns () + r->abandon_retry_ns);
   }
   pthread_mutex_unlock (&r->abandon_lock);
 }

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "util.h"
 #include "seqdetect.h"
 
 #define RECENT_IO_BITS 7
@@ -51,15 +52,6 @@ struct bcf_seqdetect {
   struct io *lru_head, *lru_tail;
   struct io io[RECENT_IO];
 };
-
-static uint64_t
-real_now_ns (void)
-{
-  struct timespec ts;
-
-  clock_gettime (CLOCK_MONOTONIC, &ts);
-  return (uint64_t) ts.tv_sec * 1000000000 + (uint64_t) ts.tv_nsec;
-}
 
 static unsigned
 hash_of (uint64_t last)
@@ -118,7 +110,7 @@ bcf_seqdetect_new (void)
   if (s == NULL)
     return NULL;
   pthread_mutex_init (&s->lock, NULL);
-  s->now_ns = real_now_ns;
+  s->now_ns = bcf_now_ns;
   for (unsigned k = 0; k < RECENT_IO; k++)
     lru_add_tail (s, &s->io[k]);
   return s;
@@ -168,6 +160,6 @@ void
 bcf_seqdetect_test_clock (struct bcf_seqdetect *s, uint64_t (*now_ns) (void))
 {
   pthread_mutex_lock (&s->lock);
-  s->now_ns = now_ns ? now_ns : real_now_ns;
+  s->now_ns = now_ns ? now_ns : bcf_now_ns;
   pthread_mutex_unlock (&s->lock);
 }

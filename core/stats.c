@@ -66,6 +66,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "util.h"
 #include "bcachefilter/stats.h"
 
 /* bcache's constants. */
@@ -122,15 +123,6 @@ static const char *const view_names[BCF_VIEW__COUNT] = {
   [BCF_VIEW_HOUR]        = "hour",
   [BCF_VIEW_DAY]         = "day",
 };
-
-static uint64_t
-real_now_ns (void)
-{
-  struct timespec ts;
-
-  clock_gettime (CLOCK_MONOTONIC, &ts);
-  return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
 
 static uint64_t
 clock_now (struct bcf_stats *s)
@@ -227,7 +219,7 @@ bcf_stats_new (void)
     atomic_init (&s->collector[k], 0);
   }
   atomic_init (&s->next_tick_ns, 0);
-  atomic_init (&s->now_ns, real_now_ns);
+  atomic_init (&s->now_ns, bcf_now_ns);
   rebase (s);
   return s;
 }
@@ -304,7 +296,7 @@ bcf_stats_test_clock (struct bcf_stats *s, uint64_t (*now_ns) (void))
 {
   pthread_mutex_lock (&s->lock);
   catch_up (s);                 /* settle the old clock's ticks */
-  atomic_store (&s->now_ns, now_ns ? now_ns : real_now_ns);
+  atomic_store (&s->now_ns, now_ns ? now_ns : bcf_now_ns);
   rebase (s);
   pthread_mutex_unlock (&s->lock);
 }

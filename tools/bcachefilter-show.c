@@ -114,14 +114,6 @@ enum {
  * Small helpers
  * ------------------------------------------------------------------------ */
 
-static void
-close_fdp (int *fdp)
-{
-  if (*fdp >= 0)
-    close (*fdp);
-}
-#define CLEANUP_CLOSE __attribute__ ((cleanup (close_fdp)))
-
 /* "bcachefilter-show: DEVICE: message\n" on stderr. */
 static void __attribute__ ((format (printf, 2, 3)))
 device_error (const char *path, const char *fs, ...)

@@ -1,0 +1,729 @@
+/* bcachefilter engine: extent operations (include/bcachefilter/cache.h,
+ * "Reads", "The cache-miss protocol", "Writes and invalidation").
+ *
+ * Design
+ * ------
+ * The operations the request path needs, built from the modules: lookups
+ * read the btree under tree_lock (read); inserts take it for writing just
+ * long enough to add their keys to the journal and the tree, so journal
+ * order is tree order; all device I/O (data writes, hit reads, journal
+ * and node writes) happens with no btree lock held.
+ *
+ * Keys are at most 65535 sectors (KEY_SIZE is 16 bits) and a data extent
+ * lies in one bucket, so long ranges become several keys; each piece of a
+ * cache-miss fill is replace-inserted against the matching piece of the
+ * check key (same pointer-minus-start relation), so pieces succeed or
+ * collide independently.
+ *
+ * Cache hits are read and then the pointer's gen is checked again: if the
+ * bucket was invalidated meanwhile the data may belong to a new owner, so
+ * the read is reported stale and the caller goes to the backing store
+ * (bcache's cache_read_races).  The gen is stored with release order when
+ * a bucket is invalidated, and the allocator never hands a bucket out
+ * before its new gen is persisted, which takes far longer than any read;
+ * the recheck closes the remaining window.
+ *
+ * Locking: see engine.h.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+#define MAX_KEY_SECTORS BKEY_MAX_SIZE
+
+/* ---- helpers --------------------------------------------------------------------- */
+
+/* Check the alignment of a request; returns its sectors. */
+static int
+to_sectors (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            uint64_t *start, uint64_t *end)
+{
+  if (len == 0 || offset % c->block_bytes || len % c->block_bytes ||
+      offset + len < offset ||
+      (offset + len) >> BCH_SECTOR_SHIFT > c->backing_sectors)
+    return -EINVAL;
+  *start = offset >> BCH_SECTOR_SHIFT;
+  *end = (offset + len) >> BCH_SECTOR_SHIFT;
+  return 0;
+}
+
+/* What [s, e) holds, as an invalidation sees it (bcf_invalidate). */
+enum range_state {
+  RANGE_EMPTY,                /* no key at all */
+  RANGE_VOLATILE,             /* check keys, and data keys only memory has */
+  RANGE_PERSISTENT,           /* a data key a crash could bring back, or a
+                                 leaf not in memory */
+};
+
+/* Is data key k of leaf n only in memory: inserted since n's open set
+ * was last captured by a checkpoint, and not journalled?  Then no
+ * recovery can bring it back.  A key in the open set is exactly one
+ * inserted since the capture: a capture takes the whole open set, a
+ * split or merge hands its open set on to the new nodes (btree.c's
+ * inherit_open), and a pointer is never inserted twice (a fill writes to
+ * newly allocated space).  Keys cut by later inserts are cut alike in
+ * both sets, so the pieces still match.
+ * open_jdata covers keys the journal holds: bcf_insert's, and those
+ * replayed at open (which a writable open then checkpoints anyway). */
+static bool
+key_only_in_memory (const struct btree_node *n, const struct ckey *k)
+{
+  return !n->open_jdata && keyset_contains (&n->open, k);
+}
+
+/* Look at [s, e) under tree_lock.  Any data key counts, stale ones too: a
+ * bucket invalidated in memory gets its new gen persisted only with the
+ * next prio write, so after a crash before that its old keys are valid
+ * again.  (Stale keys already dropped from memory are bcf_invalidate's
+ * other check.)  *jseq: the newest journal entry holding a key inserted
+ * into the leaves of the range (see bcf_invalidate). */
+static enum range_state
+range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
+                    uint64_t *jseq)
+{
+  enum range_state st = RANGE_EMPTY;
+  uint64_t pos = s;
+
+  *jseq = 0;
+  while (pos < e) {
+    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
+    const struct keyset *ks;
+    uint64_t leaf_end;
+
+    if (!leaf || leaf->evicted)
+      return RANGE_PERSISTENT;    /* not in memory: assume cached (safe) */
+    if (leaf->jseq > *jseq)
+      *jseq = leaf->jseq;
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
+      const struct ckey *k = &ks->k[i];
+      if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
+        break;
+      if (ckey_has_ptr (k) && !ckey_is_check (k) &&
+          !key_only_in_memory (leaf, k))
+        return RANGE_PERSISTENT;
+      st = RANGE_VOLATILE;
+    }
+    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
+               : UINT64_MAX;
+    pos = leaf_end;
+  }
+  return st;
+}
+
+/* How insert_key journals its key. */
+enum journal_how {
+  JOURNAL_NEVER,              /* check keys: memory only */
+  JOURNAL_ALWAYS,             /* data keys of writes (bcf_insert) */
+  JOURNAL_IF_PERSISTENT,      /* whiteouts: where a crash could bring back
+                                 what they remove (bcf_invalidate) */
+};
+
+/* Insert under the tree lock, journalled as `how` says.  *seq (if not
+ * NULL) is raised to the journal entry the caller must make durable for
+ * the insert to be: the key's own entry, and for JOURNAL_IF_PERSISTENT
+ * also the leaves' jseq.  Handles a full journal entry by dropping the
+ * lock and making room. */
+static int
+insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
+            uint64_t *seq)
+{
+  for (;;) {
+    struct ckey need;
+    uint64_t s = 0;
+    bool journal = how == JOURNAL_ALWAYS;
+    int r;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    if (!btree_range_loaded (c, ckey_inode (k), ckey_start (k), ckey_end (k),
+                             &need)) {
+      pthread_rwlock_unlock (&c->tree_lock);
+      if ((r = btree_load_evicted (c, &need)) < 0)
+        return r;
+      continue;
+    }
+    if (how == JOURNAL_IF_PERSISTENT) {
+      /* Decided here, under the lock the insert holds: a checkpoint's
+       * capture cannot come between the look and the insert. */
+      uint64_t leaf_seq;
+      journal = range_state_locked (c, ckey_start (k), ckey_end (k),
+                                    &leaf_seq) == RANGE_PERSISTENT ||
+                alloc_gens_unpersisted (c);
+      if (leaf_seq > *seq)
+        *seq = leaf_seq;
+    }
+    if (journal) {
+      s = journal_add_key_locked (c, k);
+      if (s == 0) {
+        pthread_rwlock_unlock (&c->tree_lock);
+        if ((r = journal_make_room (c)) < 0)
+          return r;
+        continue;
+      }
+      if (s > *seq)
+        *seq = s;
+    }
+    r = btree_insert_locked (c, k, s);
+    pthread_rwlock_unlock (&c->tree_lock);
+    return r;
+  }
+}
+
+/* Device I/O from / to a caller's buffer, which need not be aligned as
+ * O_DIRECT requires: misaligned buffers go through an aligned bounce
+ * buffer. */
+
+/* The len bytes at data, aligned for the device: data itself, or a
+ * pooled copy left in *bounce (free it with bcf_buf_free (*bounce, len);
+ * NULL when no copy was needed).  NULL if the copy cannot be made. */
+static const void *
+aligned_source (const void *data, size_t len, void **bounce)
+{
+  *bounce = NULL;
+  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
+    return data;
+  if (!(*bounce = bcf_buf_alloc (len)))
+    return NULL;
+  memcpy (*bounce, data, len);
+  return *bounce;
+}
+
+static int
+dev_write (struct bcf_cache *c, const void *data, size_t len, uint64_t off)
+{
+  void *b;
+  const void *src = aligned_source (data, len, &b);
+  int r;
+
+  if (!src)
+    return -ENOMEM;
+  r = bcf_io_pwrite (c->io, src, len, off);
+  bcf_buf_free (b, len);
+  return r;
+}
+
+static int
+dev_read (struct bcf_cache *c, void *data, size_t len, uint64_t off)
+{
+  void *b;
+  int r;
+
+  if ((uintptr_t) data % BCF_BUF_ALIGN == 0)
+    return bcf_io_pread (c->io, data, len, off);
+  if (!(b = bcf_buf_alloc (len)))
+    return -ENOMEM;
+  r = bcf_io_pread (c->io, b, len, off);
+  if (r == 0)
+    memcpy (data, b, len);
+  bcf_buf_free (b, len);
+  return r;
+}
+
+/* Replace insert under the tree lock, loading evicted leaves first.
+ * Returns 0, -EEXIST (collision) or -errno. */
+static int
+replace_key (struct bcf_cache *c, const struct ckey *k,
+             const struct ckey *expect)
+{
+  for (;;) {
+    int r;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    r = btree_replace_locked (c, k, expect);
+    if (r == -ENODATA) {
+      struct ckey need;
+      bool loaded = btree_range_loaded (c, ckey_inode (k), ckey_start (k),
+                                        ckey_end (k), &need);
+      pthread_rwlock_unlock (&c->tree_lock);
+      if (!loaded && (r = btree_load_evicted (c, &need)) < 0)
+        return r;
+      continue;
+    }
+    pthread_rwlock_unlock (&c->tree_lock);
+    return r;
+  }
+}
+
+/* ---- reads ------------------------------------------------------------------------ */
+
+int
+bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            struct bcf_extent *out, unsigned max, unsigned *n)
+{
+  const uint64_t inode = c->inode;
+  uint64_t pos, end;
+  unsigned i = 0;
+  int r;
+
+  *n = 0;
+  if ((r = to_sectors (c, offset, len, &pos, &end)) < 0 || max == 0)
+    return r < 0 ? r : -EINVAL;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  while (pos < end && i < max) {
+    struct btree_node *leaf = btree_find_leaf (c, inode, pos + 1);
+    const struct keyset *s;
+    size_t ki;
+
+    if (!leaf) {
+      r = -EIO;
+      break;
+    }
+    if (leaf->evicted) {
+      struct ckey need = leaf->key;
+      pthread_rwlock_unlock (&c->tree_lock);
+      r = btree_load_evicted (c, &need);
+      pthread_rwlock_rdlock (&c->tree_lock);
+      if (r < 0)
+        break;
+      continue;
+    }
+    btree_touch (c, leaf);
+    s = &leaf->keys;
+    for (ki = keyset_search (s, inode, pos); pos < end && i < max; ki++) {
+      const struct ckey *k = ki < s->nr && ckey_inode (&s->k[ki]) == inode
+                             ? &s->k[ki] : NULL;
+      uint64_t leaf_end = ckey_inode (&leaf->key) == inode
+                          ? ckey_end (&leaf->key) : UINT64_MAX;
+      uint64_t stop, kstart = k ? ckey_start (k) : UINT64_MAX;
+      bool hit = false;
+
+      if (kstart > pos) {               /* a hole before k */
+        stop = kstart < end ? kstart : end;
+        if (stop > leaf_end)
+          stop = leaf_end;
+        ki--;                           /* look at k again */
+      }
+      else {
+        stop = ckey_end (k) < end ? ckey_end (k) : end;
+        hit = ckey_has_ptr (k) && !ckey_is_check (k) &&
+              !ptr_stale (c, k->ptr);
+      }
+      if (hit) {
+        uint64_t dev = PTR_OFFSET (k->ptr) + (pos - kstart);
+        out[i++] = (struct bcf_extent) {
+          .kind = BCF_EXTENT_HIT, .dirty = ckey_dirty (k),
+          .offset = pos << BCH_SECTOR_SHIFT,
+          .len = (stop - pos) << BCH_SECTOR_SHIFT,
+          .dev_offset = dev << BCH_SECTOR_SHIFT,
+          .ptr = MAKE_PTR (PTR_GEN (k->ptr), dev, PTR_DEV (k->ptr)),
+        };
+      }
+      else {
+        if (i > 0 && out[i - 1].kind == BCF_EXTENT_MISS &&
+            out[i - 1].offset + out[i - 1].len == pos << BCH_SECTOR_SHIFT)
+          out[i - 1].len += (stop - pos) << BCH_SECTOR_SHIFT;
+        else
+          out[i++] = (struct bcf_extent) {
+            .kind = BCF_EXTENT_MISS, .offset = pos << BCH_SECTOR_SHIFT,
+            .len = (stop - pos) << BCH_SECTOR_SHIFT,
+          };
+      }
+      pos = stop;
+      if (pos >= leaf_end)
+        break;                          /* continue in the next leaf */
+    }
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+  *n = i;
+  /* No counting here: a lookup is not a request (the request path counts
+   * hits and misses per request, bcache's way), and a shared counter
+   * written by every lookup would be a contended line on the hit path. */
+  return r;
+}
+
+int
+bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf)
+{
+  int r;
+
+  if (e->kind != BCF_EXTENT_HIT)
+    return -EINVAL;
+  r = dev_read (c, buf, e->len, e->dev_offset);
+  if (r < 0) {
+    atomic_fetch_add (&c->stats.device_errors, 1);
+    return r;
+  }
+  if (c->test_read_hook)
+    c->test_read_hook (c, e, c->test_read_hook_opaque);
+  if (ptr_stale (c, e->ptr)) {
+    atomic_fetch_add (&c->stats.read_races, 1);
+    return -ESTALE;
+  }
+  alloc_touch (c, bucket_of_ptr (c, e->ptr));
+  return 0;
+}
+
+/* ---- the cache-miss protocol ------------------------------------------------------- */
+
+static uint64_t
+random_check_offset (void)
+{
+  static _Atomic uint64_t counter;
+  uint64_t x = bcf_now_ns () + (atomic_fetch_add (&counter, 1) << 32);
+  x ^= x >> 31;
+  x *= 0x7fb5d329728ea185ull;
+  x ^= x >> 27;
+  /* Leave room for the pointer to move with trimming (< 2^42). */
+  return x & ((1ull << 41) - 1);
+}
+
+/* The piece [s, e) of a range key whose first sector is at ptr (offset
+ * moves with the start). */
+static struct ckey
+range_piece (const struct bcf_cache *c, uint64_t s, uint64_t e,
+             uint64_t range_start, bool has_ptr, uint64_t ptr, bool dirty)
+{
+  uint64_t p = has_ptr ? MAKE_PTR (PTR_GEN (ptr),
+                                   PTR_OFFSET (ptr) + (s - range_start),
+                                   PTR_DEV (ptr)) : 0;
+  return ckey_make (c->inode, e, e - s, has_ptr, p, dirty);
+}
+
+int
+bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                struct bcf_miss *m)
+{
+  uint64_t s, e;
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  if (c->failed)
+    return -ENOSPC;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  m->offset = offset;
+  m->len = len;
+  m->check_ptr = MAKE_PTR (0, random_check_offset (), PTR_CHECK_DEV);
+  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+    struct ckey k = range_piece (c, p, pe, s, true, m->check_ptr, false);
+    if ((r = insert_key (c, &k, JOURNAL_NEVER, NULL)) < 0)
+      return r;
+  }
+  return 0;
+}
+
+/* One chunk of a fill: a piece of one miss, written to one allocation. */
+struct fill_chunk {
+  unsigned miss;                /* index into the batch */
+  uint64_t s, e;                /* sectors */
+  uint64_t ptr;                 /* from alloc_sectors; 0 = not allocated */
+};
+
+/* The largest piece of a fill one allocation takes: a key's size, within
+ * a bucket, in whole blocks. */
+static uint64_t
+fill_chunk_sectors (const struct bcf_cache *c)
+{
+  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
+                   : MAX_KEY_SECTORS;
+  return chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
+         (c->block_bytes >> BCH_SECTOR_SHIFT);
+}
+
+/* Give back the allocations of chunks [from, to) that have one. */
+static void
+put_chunks (struct bcf_cache *c, struct fill_chunk *ch, size_t from,
+            size_t to)
+{
+  for (size_t i = from; i < to; i++)
+    if (ch[i].ptr) {
+      alloc_put (c, ch[i].ptr);
+      ch[i].ptr = 0;
+    }
+}
+
+/* Batched fills.  Three phases, so that the device sees the writes of the
+ * whole batch at once (one submission: the block layer merges the ones
+ * allocated next to each other, and the device gets one doorbell, which
+ * on a virtual machine is the dominant cost of a small write):
+ *   1. allocate every chunk (a miss whose allocation fails is cancelled);
+ *   2. write them all with one bcf_io_submit;
+ *   3. per miss, in chunk order: replace-insert each written chunk against
+ *      the check key; at the first chunk whose write failed, give the rest
+ *      back and cancel the miss (its earlier chunks stay: each was inserted
+ *      against our own check key, so it is exactly the data read).
+ * Each allocation stays pinned (alloc_put not yet called) from phase 1 to
+ * its insert, so no bucket is invalidated under its write. */
+void
+bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
+                    const void *const *data, unsigned n, int *res)
+{
+  const uint64_t chunk = fill_chunk_sectors (c);
+  struct fill_chunk *ch = NULL;
+  struct bcf_io_seg *segs = NULL;
+  void **bounce = NULL;
+  size_t nch = 0, k;
+  int r;
+
+  for (unsigned i = 0; i < n; i++) {
+    res[i] = 0;
+    nch += (ms[i]->len / BCH_SECTOR_SIZE + chunk - 1) / chunk;
+  }
+  ch = calloc (nch ? nch : 1, sizeof *ch);
+  segs = calloc (nch ? nch : 1, sizeof *segs);
+  bounce = calloc (n ? n : 1, sizeof *bounce);
+  if (!ch || !segs || !bounce) {
+    for (unsigned i = 0; i < n; i++) {
+      bcf_miss_cancel (c, ms[i]);
+      res[i] = -ENOMEM;
+    }
+    goto out;
+  }
+
+  /* 1. Allocate. */
+  k = 0;
+  for (unsigned i = 0; i < n; i++) {
+    const uint64_t s = ms[i]->offset >> BCH_SECTOR_SHIFT;
+    const uint64_t e = (ms[i]->offset + ms[i]->len) >> BCH_SECTOR_SHIFT;
+    const uint8_t *src = aligned_source (data[i], ms[i]->len, &bounce[i]);
+    const size_t first = k;
+
+    if (!src)
+      res[i] = -ENOMEM;
+    for (uint64_t p = s; p < e && res[i] == 0; p += chunk) {
+      uint64_t pe = p + chunk < e ? p + chunk : e;
+
+      if (c->failed)
+        res[i] = -ENOSPC;
+      else if ((r = alloc_sectors (c, (uint32_t) (pe - p), false,
+                                   &ch[k].ptr)) < 0)
+        res[i] = r;
+      else {
+        ch[k].miss = i;
+        ch[k].s = p;
+        ch[k].e = pe;
+        segs[k] = (struct bcf_io_seg) {
+          .op = BCF_IO_WRITE,
+          .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
+          .len = (pe - p) << BCH_SECTOR_SHIFT,
+          .off = PTR_OFFSET (ch[k].ptr) << BCH_SECTOR_SHIFT,
+        };
+        k++;
+      }
+    }
+    if (res[i] < 0) {
+      put_chunks (c, ch, first, k);
+      k = first;
+      bcf_miss_cancel (c, ms[i]);
+    }
+  }
+  nch = k;
+
+  /* 2. Write. */
+  if (nch)
+    bcf_io_submit (c->io, segs, (unsigned) nch);
+
+  /* 3. Insert, per miss in chunk order. */
+  for (k = 0; k < nch; k++) {
+    const unsigned i = ch[k].miss;
+    const uint64_t s = ms[i]->offset >> BCH_SECTOR_SHIFT;
+    struct ckey key, expect;
+
+    if (res[i] < 0 && res[i] != -EEXIST) {
+      put_chunks (c, ch, k, k + 1);   /* the miss failed on an earlier chunk */
+      continue;
+    }
+    if (segs[k].result < 0) {
+      atomic_fetch_add (&c->stats.device_errors, 1);
+      put_chunks (c, ch, k, k + 1);
+      bcf_miss_cancel (c, ms[i]);
+      res[i] = segs[k].result;
+      continue;
+    }
+    key = range_piece (c, ch[k].s, ch[k].e, ch[k].s, true, ch[k].ptr, false);
+    expect = range_piece (c, ch[k].s, ch[k].e, s, true, ms[i]->check_ptr,
+                          false);
+    r = replace_key (c, &key, &expect);
+    put_chunks (c, ch, k, k + 1);
+    if (r == -EEXIST) {
+      atomic_fetch_add (&c->stats.miss_collisions, 1);
+      res[i] = -EEXIST;
+    }
+    else if (r < 0)
+      res[i] = r;
+  }
+  for (unsigned i = 0; i < n; i++)
+    if (res[i] == 0)
+      atomic_fetch_add (&c->stats.inserts, 1);
+
+ out:
+  if (bounce)
+    for (unsigned i = 0; i < n; i++)
+      bcf_buf_free (bounce[i], ms[i]->len);
+  free (bounce);
+  free (segs);
+  free (ch);
+}
+
+int
+bcf_miss_fill (struct bcf_cache *c, struct bcf_miss *m, const void *data)
+{
+  int r;
+
+  bcf_miss_fill_many (c, &m, &data, 1, &r);
+  return r;
+}
+
+void
+bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
+{
+  const uint64_t s = m->offset >> BCH_SECTOR_SHIFT;
+  const uint64_t e = (m->offset + m->len) >> BCH_SECTOR_SHIFT;
+
+  for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+    uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+    struct ckey w = range_piece (c, p, pe, s, false, 0, false);
+    struct ckey expect = range_piece (c, p, pe, s, true, m->check_ptr, false);
+    /* Only where our check key is still whole; otherwise someone else's
+     * key is there now and must stay. */
+    replace_key (c, &w, &expect);
+  }
+}
+
+/* ---- writes and invalidation ------------------------------------------------------ */
+
+/* An invalidation is journalled only where a crash could bring back what
+ * it removes; elsewhere the whiteout only has to reach the tree in memory
+ * (to remove what is there and make in-flight misses collide).  Recovery
+ * rebuilds the tree from committed nodes and replays the journal, so the
+ * keys it can bring back are those a checkpoint captured or the journal
+ * holds (RANGE_PERSISTENT), and stale keys dropped from memory while their
+ * bucket's new gen was not yet persisted (alloc_gens_unpersisted, read
+ * after the look at the tree; the rule and its ordering are in alloc.c's
+ * header).  Keys only in memory (range_state_locked) cannot come
+ * back, so a write to a range a miss filled since the last checkpoint —
+ * a read-modify-write — costs no journal write and no flush.  The choice
+ * is made under the write lock of the insert itself (insert_key), so no
+ * checkpoint can capture a key between the look and the whiteout.
+ *
+ * Durable: the caller's backing write must not start before every
+ * whiteout that removed data a crash could bring back is durable — ours,
+ * and any earlier one not yet written: an invalidation on the read path
+ * (durable = false), or a concurrent writer's that is still waiting for
+ * its journal write.  Such a whiteout leaves no key in the merged set, so
+ * our look can see EMPTY or VOLATILE where it was; the leaf remembers it
+ * in jseq (inherited through splits and merges), and we wait for that
+ * entry too.  That is a wait only while the entry is not yet written, and
+ * only for writers in the same leaf.
+ *
+ * Where there is no key at all, and nothing unpersisted, there is nothing
+ * for a whiteout to do: a miss whose check key goes in after our look is
+ * ordered after our caller's tracker registration (request.c's protocol),
+ * and a bcf_insert racing with us is a concurrent write of the same range,
+ * in either order.  So a write to a range nobody cached costs no key in
+ * the node's open set (written at the next checkpoint) and no insert. */
+int
+bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                bool durable)
+{
+  uint64_t s, e, seq = 0;
+  enum range_state st;
+  bool unpersisted;
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  atomic_fetch_add (&c->stats.invalidates, 1);
+  pthread_rwlock_rdlock (&c->tree_lock);
+  st = range_state_locked (c, s, e, &seq);
+  unpersisted = alloc_gens_unpersisted (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  if (st != RANGE_EMPTY || unpersisted)
+    for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
+      uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
+      struct ckey w = range_piece (c, p, pe, s, false, 0, false);
+      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, &seq)) < 0)
+        return r;
+    }
+  if (durable && seq)
+    return journal_flush_seq (c, seq);
+  return 0;
+}
+
+int
+bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            const void *data, bool dirty, bool durable)
+{
+  uint64_t s, e, seq = 0;
+  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
+                   : MAX_KEY_SECTORS;
+  int r = 0;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  if (c->failed)
+    r = -ENOSPC;
+  chunk = chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
+          (c->block_bytes >> BCH_SECTOR_SHIFT);
+  for (uint64_t p = s; p < e && r == 0; p += chunk) {
+    uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
+    struct ckey k;
+
+    r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr);
+    if (r < 0)
+      break;
+    r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
+                   (pe - p) << BCH_SECTOR_SHIFT,
+                   PTR_OFFSET (ptr) << BCH_SECTOR_SHIFT);
+    if (r < 0)
+      atomic_fetch_add (&c->stats.device_errors, 1);
+    else {
+      k = range_piece (c, p, pe, p, true, ptr, dirty);
+      r = insert_key (c, &k, JOURNAL_ALWAYS, &seq);
+    }
+    alloc_put (c, ptr);
+  }
+  if (r < 0) {
+    /* Never leave older data cached than what the caller wrote. */
+    int r2 = bcf_invalidate (c, offset, len, durable);
+    return r2 < 0 ? r2 : r;
+  }
+  atomic_fetch_add (&c->stats.inserts, 1);
+  if (durable)
+    return journal_flush_seq (c, seq);
+  return 0;
+}
+
+int
+bcf_flush (struct bcf_cache *c)
+{
+  uint64_t seq;
+
+  if (c->opts.readonly)
+    return 0;             /* nothing was written */
+  pthread_mutex_lock (&c->journal.lock);
+  seq = c->journal.seq;
+  pthread_mutex_unlock (&c->journal.lock);
+  return journal_flush_seq (c, seq);
+}
+
+int
+bcf_cache_journal_write (struct bcf_cache *c)
+{
+  return bcf_flush (c);
+}
+
+int
+bcf_cache_checkpoint (struct bcf_cache *c)
+{
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = btree_checkpoint (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  return r;
+}
