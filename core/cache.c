@@ -214,6 +214,12 @@ bcf_cache_backing_size (const struct bcf_cache *c)
   return c->backing_sectors << BCH_SECTOR_SHIFT;
 }
 
+uint64_t
+bcf_cache_device_ios (const struct bcf_cache *c)
+{
+  return bcf_io_count (c->io);
+}
+
 /* ---- stats ------------------------------------------------------------------------ */
 
 void

@@ -1326,6 +1326,13 @@ bcf_io_notice (const struct bcf_io *io)
   return io->notice[0] ? io->notice : NULL;
 }
 
+uint64_t
+bcf_io_count (struct bcf_io *io)
+{
+  return load (&io->reads) + load (&io->writes) + load (&io->flushes) +
+         load (&io->errors) + load (&io->errors_injected);
+}
+
 void
 bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st)
 {

@@ -225,6 +225,9 @@ struct bcf_io_stats {
                                            (armed only) */
 };
 extern void bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st);
+/* Every I/O done so far, failed ones included (cheap: a few atomic
+ * loads; bcache's io_count, which its error decay is measured in). */
+extern uint64_t bcf_io_count (struct bcf_io *io);
 
 /* ---- Fault injection (tests) -------------------------------------------- */
 

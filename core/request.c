@@ -75,7 +75,13 @@
  *
  * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
- * served from the backing store.  After error_limit errors, or if an
+ * served from the backing store.  The count decays as bcache's io_errors
+ * does (device_error): every error_halflife / 88 cache-device I/Os it is
+ * multiplied by 127/128, so an error counts half after error_halflife
+ * I/Os ((127/128)^88 = 0.50).  The decay is applied lazily, from the
+ * device's I/O count, when an error is counted or the stats are read:
+ * nothing is added to the I/O path.  Once the decayed count reaches
+ * error_limit, or if an
  * invalidation cannot be journalled (then the cache could bring old data
  * back after a crash), the cache is abandoned: bcf_cache_abandon marks it
  * so the next open starts empty, and from then on everything passes
@@ -119,6 +125,9 @@
 #define PLAN_EXTENTS 16
 #define PREFETCH_CHUNK (1u << 20)
 #define DEFAULT_ERROR_LIMIT 64
+#define ERROR_SHIFT 20                  /* io_errors fixed point (bcache's) */
+#define ERROR_DECAY_DIVISOR 88          /* halflife = 88 decay steps */
+#define ERROR_DECAY_MAX_STEPS 4096      /* (127/128)^4096 < 2^-46: all gone */
 #define DEFAULT_ABANDON_RETRY_MS 1000
 #define FILL_WORKERS 2
 #define FILL_QUEUE_BYTES (32u << 20)
@@ -146,7 +155,11 @@ struct bcf_req {
   unsigned error_limit;
   _Atomic int mode;
   _Atomic uint64_t cutoff;
-  _Atomic uint64_t device_errors;
+  _Atomic uint64_t device_errors;       /* all, never decayed */
+  /* The decayed count (device_error): errors << ERROR_SHIFT, decayed up
+   * to device I/O decayed_to; decay_ios = halflife / 88 (0: never). */
+  pthread_mutex_t error_lock;
+  uint64_t io_errors, decayed_to, decay_ios, halflife;
   atomic_bool passthrough;
   atomic_bool abandoned;        /* the device knows it was given up */
   pthread_mutex_t abandon_lock; /* one mark attempt at a time */
@@ -204,6 +217,7 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
 /* ---- the fill queue --------------------------------------------------------------- */
 
 static void device_error (struct bcf_req *r);
+static void decay_errors_locked (struct bcf_req *r);
 
 /* Account for one fill's result (step 4 / W5). */
 static void
@@ -419,6 +433,14 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->size = bcf_cache_backing_size (c);
   r->cache_end = r->size / r->block * r->block;
   r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
+  pthread_mutex_init (&r->error_lock, NULL);
+  r->halflife = o->error_halflife == BCF_ERROR_HALFLIFE_NEVER ? 0
+                : o->error_halflife ? o->error_halflife
+                : BCF_ERROR_HALFLIFE_DEFAULT;
+  r->decay_ios = r->halflife / ERROR_DECAY_DIVISOR;
+  if (r->halflife && r->decay_ios == 0)
+    r->decay_ios = 1;
+  r->decayed_to = bcf_cache_device_ios (c);
   r->tracker = bcf_bypass_new (r->size);
   r->seq = bcf_seqdetect_new ();
   r->stats = bcf_stats_new ();
@@ -459,6 +481,7 @@ bcf_req_free (struct bcf_req *r)
   bcf_seqdetect_free (r->seq);
   bcf_stats_free (r->stats);
   pthread_mutex_destroy (&r->abandon_lock);
+  pthread_mutex_destroy (&r->error_lock);
   free (r);
 }
 
@@ -518,6 +541,12 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
 
   memset (st, 0, sizeof *st);
   st->device_errors = atomic_load (&r->device_errors);
+  pthread_mutex_lock (&r->error_lock);
+  decay_errors_locked (r);
+  st->io_errors = r->io_errors >> ERROR_SHIFT;
+  pthread_mutex_unlock (&r->error_lock);
+  st->io_error_limit = r->error_limit;
+  st->io_error_halflife = r->halflife;
   st->passthrough = atomic_load (&r->passthrough);
   bcf_bypass_get_mem (r->tracker, &m);
   st->bypass_bytes_now = m.bytes;
@@ -606,11 +635,36 @@ go_passthrough (struct bcf_req *r)
   abandon_device (r);
 }
 
-/* A cache-device error: counted; past the limit, pass through. */
+/* Apply the decay for the device I/Os done since decayed_to (bcache's
+ * bch_count_io_errors, applied in arrears).  Under error_lock. */
+static void
+decay_errors_locked (struct bcf_req *r)
+{
+  uint64_t ios = bcf_cache_device_ios (r->c), steps;
+
+  if (r->decay_ios == 0 || ios < r->decayed_to + r->decay_ios)
+    return;
+  steps = (ios - r->decayed_to) / r->decay_ios;
+  r->decayed_to += steps * r->decay_ios;
+  if (steps > ERROR_DECAY_MAX_STEPS)
+    steps = ERROR_DECAY_MAX_STEPS;
+  while (steps-- && r->io_errors)
+    r->io_errors = r->io_errors * 127 / 128;
+}
+
+/* A cache-device error: counted (decaying); at the limit, pass through. */
 static void
 device_error (struct bcf_req *r)
 {
-  if (atomic_fetch_add (&r->device_errors, 1) + 1 >= r->error_limit)
+  bool give_up;
+
+  atomic_fetch_add (&r->device_errors, 1);
+  pthread_mutex_lock (&r->error_lock);
+  decay_errors_locked (r);
+  r->io_errors += UINT64_C (1) << ERROR_SHIFT;
+  give_up = r->io_errors >> ERROR_SHIFT >= r->error_limit;
+  pthread_mutex_unlock (&r->error_lock);
+  if (give_up)
     go_passthrough (r);
 }
 

@@ -131,6 +131,9 @@ const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
 const char *bcf_cache_io_name (const struct bcf_cache *c);
 bool bcf_cache_io_direct (const struct bcf_cache *c);
 uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
+/* Cache-device I/Os done since open, failed ones included (what
+ * bcache's error half-life is counted in). */
+uint64_t bcf_cache_device_ios (const struct bcf_cache *c);
 
 /* ---- Reads ------------------------------------------------------------- */
 

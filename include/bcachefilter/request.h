@@ -24,6 +24,9 @@
 extern "C" {
 #endif
 
+#define BCF_ERROR_HALFLIFE_DEFAULT 1000000
+#define BCF_ERROR_HALFLIFE_NEVER UINT64_MAX
+
 enum bcf_cache_mode {
   BCF_MODE_WRITETHROUGH = 0,
   BCF_MODE_WRITEAROUND,
@@ -41,8 +44,13 @@ struct bcf_req_opts {
   uint64_t sequential_cutoff;   /* bytes; 0 disables */
   /* Cache-device errors tolerated before the cache is switched to pass
    * through (every error is served from the backing store anyway);
-   * 0 = 64. */
+   * 0 = 64.  Errors decay as bcache's io_errors do: an error counts
+   * half as much after error_halflife more cache-device I/Os, so rare,
+   * harmless errors never add up to the limit over months, while a
+   * failing device reaches it fast.  0 = 1000000 I/Os;
+   * BCF_ERROR_HALFLIFE_NEVER: no decay (bcache's default). */
   unsigned error_limit;
+  uint64_t error_halflife;
   /* After a failed attempt to mark the cache device as given up, how
    * long before the next one (writes never wait for it; see
    * abandon_device in core/request.c); 0 = 1000 ms. */
@@ -83,6 +91,9 @@ int bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset);
 
 struct bcf_req_stats {
   uint64_t device_errors;       /* cache-device errors served from backing */
+  uint64_t io_errors;           /* ... decayed (bcache's io_errors) */
+  uint64_t io_error_limit;      /* pass through when io_errors reaches it */
+  uint64_t io_error_halflife;   /* I/Os; 0: no decay */
   bool passthrough;
   uint64_t bypass_bytes_now, bypass_bytes_peak, bypass_pages,
            bypass_reserve_uses, bypass_in_flight;

@@ -591,6 +591,62 @@ START_TEST (device_errors_pass_through)
 }
 END_TEST
 
+/* One cache-device read error every `between` hits, errors times: does
+ * the cache give up?  [0, 64K) must be cached. */
+static bool
+sparse_read_errors (struct fx *f, unsigned errors, unsigned between)
+{
+  struct bcf_io_faults one = { .fail_nth = 1 };
+  struct bcf_req_stats rs;
+  uint8_t got[4096];
+
+  for (unsigned i = 0; i < errors; i++) {
+    bcf_io_set_faults (bcf_cache_test_io (f->c), &one);
+    ck_assert_int_eq (bcf_req_read (f->r, &f->b, got, sizeof got, 0), 0);
+    bcf_io_set_faults (bcf_cache_test_io (f->c), NULL);
+    ck_assert_int_eq (bcf_req_write (f->r, &f->b, got, sizeof got, 0, false),
+                      0);     /* cached again (writethrough) ... */
+    bcf_req_drain (f->r);       /* ... now */
+    for (unsigned j = 0; j < between; j++)
+      ck_assert_int_eq (bcf_req_read (f->r, &f->b, got, sizeof got,
+                                      4096 * (1 + j % 15)), 0);
+  }
+  bcf_req_get_stats (f->r, &rs);
+  ck_assert_uint_ge (rs.device_errors, errors);
+  return rs.passthrough;
+}
+
+/* bcache's io_error_halflife: rare errors decay and never add up to the
+ * limit, however many there are over time; without the decay the same
+ * errors give the cache up (the negative control). */
+START_TEST (device_errors_decay)
+{
+  struct fx f;
+  uint8_t a[65536];
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "decay.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  f.ro.error_halflife = 88;             /* each I/O decays by 127/128 */
+  fx_set_error_limit (&f, 4, 1);
+  pattern (a, sizeof a, 0x42);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  ck_assert (!sparse_read_errors (&f, 12, 300));
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_lt (rs.io_errors, 2);
+  ck_assert_uint_eq (rs.io_error_limit, 4);
+  ck_assert_uint_eq (rs.io_error_halflife, 88);
+
+  f.ro.error_halflife = BCF_ERROR_HALFLIFE_NEVER;
+  fx_set_error_limit (&f, 4, 1);
+  ck_assert (sparse_read_errors (&f, 4, 300));
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.io_errors, 4);
+  ck_assert_uint_eq (rs.io_error_halflife, 0);
+  fx_free (&f);
+}
+END_TEST
+
 /* A device that refuses writes is not asked to take the abandonment mark
  * once per client write (each attempt is a superblock write, and an
  * error in the log): attempts are at least abandon_retry_ms apart, and
@@ -930,6 +986,7 @@ request_suite (void)
   ADD (unaligned_requests);
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
+  ADD (device_errors_decay);
   ADD (abandon_retries_are_spaced);
   ADD (unforgettable_write_fails);
   ADD (unforgettable_write_fails_in_passthrough);
