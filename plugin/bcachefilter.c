@@ -80,6 +80,7 @@ static struct {
   int64_t node_cache;                   /* bcache-node-cache= */
   unsigned journal_delay_ms;            /* bcache-journal-delay= */
   unsigned error_limit;                 /* bcache-error-limit= */
+  uint64_t error_halflife;              /* bcache-error-halflife= */
   bool test_no_tracker;                 /* bcache-test-disable-tracker= */
 } cfg = {
   .format = BCF_FORMAT_AUTO,
@@ -318,6 +319,12 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       return -1;
     }
   }
+  else if (strcmp (key, "bcache-error-halflife") == 0) {
+    if (nbdkit_parse_uint64_t (key, value, &cfg.error_halflife) == -1)
+      return -1;
+    if (cfg.error_halflife == 0)          /* bcache's 0: no decay */
+      cfg.error_halflife = BCF_ERROR_HALFLIFE_NEVER;
+  }
   else if (strcmp (key, "bcache-test-disable-tracker") == 0) {
     return parse_bool_param (key, value, &cfg.test_no_tracker);
   }
@@ -375,6 +382,8 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
   "bcache-node-cache=SIZE      btree node cache memory bound (256M)\n" \
   "bcache-journal-delay=MS     journal batching delay (100)\n" \
   "bcache-error-limit=N        device errors before passing through (64)\n" \
+  "bcache-error-halflife=N     I/Os after which an error counts half\n" \
+  "                            (1000000; 0 = errors never decay)\n" \
   "bcache-test-disable-tracker=BOOL  tests only: unsafe"
 
 /* ---- .get_ready: probe the cache device before forking ---------------------------- */
@@ -801,6 +810,7 @@ filter_after_fork (nbdkit_backend *backend)
   ro.mode = cfg.mode;
   ro.sequential_cutoff = (uint64_t) cfg.cutoff;
   ro.error_limit = cfg.error_limit;
+  ro.error_halflife = cfg.error_halflife;
   req = bcf_req_new (cache, &ro);
   if (!req) {
     nbdkit_error ("bcachefilter: out of memory");
@@ -1110,6 +1120,9 @@ ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
   }
   if (!json)      /* at the top level in JSON */
     print_u64 (fp, json, "device_errors", rs.device_errors, &first);
+  print_u64 (fp, json, "io_errors", rs.io_errors, &first);
+  print_u64 (fp, json, "io_error_limit", rs.io_error_limit, &first);
+  print_u64 (fp, json, "io_error_halflife", rs.io_error_halflife, &first);
   print_u64 (fp, json, "nbuckets", st.nbuckets, &first);
   print_u64 (fp, json, "bucket_bytes", st.bucket_bytes, &first);
   print_u64 (fp, json, "block_bytes", st.block_bytes, &first);

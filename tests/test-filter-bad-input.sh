@@ -103,6 +103,8 @@ refuse uuid 'bcache-backing-uuid' bcache="$c" bcache-size=64M \
     bcache-backing-uuid=not-a-uuid
 refuse errlimit 'bcache-error-limit' bcache="$c" bcache-size=64M \
     bcache-error-limit=many
+refuse halflife 'bcache-error-halflife' bcache="$c" bcache-size=64M \
+    bcache-error-halflife=-1
 refuse nodecache 'bcache-node-cache' bcache="$c" bcache-size=64M \
     bcache-node-cache=huge
 refuse ctl 'bcache-ctl' bcache="$c" bcache-size=64M \

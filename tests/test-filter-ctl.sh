@@ -51,6 +51,11 @@ for k in cache_hits cache_misses cache_bypass_hits cache_bypass_misses \
     "$PYTHON" "$filterdir/stat.py" "$k" < "$d/stats.json" >/dev/null ||
         fail "stats --json has no $k"
 done
+# The error counter's limit and half-life (bcache's io_error_*).
+test "$(s io_error_limit)" = 64 || fail "io_error_limit is not the default 64"
+test "$(s io_error_halflife)" = 1000000 ||
+    fail "io_error_halflife is not the default 1000000"
+test "$(s io_errors)" = 0 || fail "io_errors is not 0"
 C stats > "$d/stats.txt"
 cat "$d/stats.txt"
 grep -q cache_hits "$d/stats.txt" || fail "text stats have no cache_hits"
