@@ -214,6 +214,25 @@ bcf_cache_backing_size (const struct bcf_cache *c)
   return c->backing_sectors << BCH_SECTOR_SHIFT;
 }
 
+const char *
+bcf_cache_device_lost (struct bcf_cache *c)
+{
+  return bcf_io_lost (c->io);
+}
+
+int
+bcf_cache_check_device (struct bcf_cache *c)
+{
+  int r = bcf_io_check (c->io);
+
+  if (r < 0 && !atomic_exchange (&c->lost_logged, true))
+    bcf_log (c, BCF_LOG_ERROR, "%s; giving the cache up: nothing it holds "
+             "is served any more, everything passes through to the export, "
+             "and the next start begins with an empty cache",
+             bcf_io_lost (c->io));
+  return r;
+}
+
 uint64_t
 bcf_cache_device_ios (const struct bcf_cache *c)
 {
@@ -310,6 +329,7 @@ journal_thread (void *arg)
 
   while (!c->stopping) {
     bcf_sleep_ms (delay);
+    bcf_cache_check_device (c);
     if (c->failed)
       continue;
     bcf_flush (c);

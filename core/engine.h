@@ -412,6 +412,7 @@ struct bcf_cache {
   unsigned committed_level;
 
   atomic_bool failed;             /* metadata write failed: read-only */
+  atomic_bool lost_logged;        /* bcf_cache_check_device said so */
   atomic_uint_fast64_t ckpt_done_ns;  /* bcf_now_ns of the last checkpoint
                                          that committed */
   atomic_uint_fast64_t inflight;  /* foreground requests in flight (GC) */

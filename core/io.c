@@ -267,6 +267,14 @@ struct bcf_io {
   _Atomic uint64_t fault_ios, fault_writes;
   atomic_bool dead;
 
+  /* The device changed under us (bcf_io_check): lost is set once, with
+   * lost_why; blocks_peak is the most allocated space a file was seen
+   * with (st_blocks, 512-byte units). */
+  atomic_bool lost;
+  char lost_why[256];
+  pthread_mutex_t check_lock;
+  uint64_t blocks_peak;
+
   pthread_mutex_t undo_lock;
   struct undo_rec **undo;       /* oldest first */
   size_t nundo, undo_cap;
@@ -690,8 +698,13 @@ io_begin (struct bcf_io *io, enum kind k, struct ioctx *c)
 static inline void
 io_end (struct bcf_io *io, enum kind k, struct ioctx *c, int result)
 {
-  if (result < 0)
+  if (result < 0) {
     count (&io->errors, 1);
+    /* A short read or write (-EIO from a file that shrank) or any other
+     * failure: is the device still what we opened? */
+    if (!c->armed)
+      bcf_io_check (io);
+  }
   else if (k == K_READ) {
     count (&io->reads, 1);
     count (&io->bytes_read, c->seg->len);
@@ -1257,6 +1270,7 @@ bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
     io->claim = io->own_claim;
   }
   pthread_mutex_init (&io->undo_lock, NULL);
+  pthread_mutex_init (&io->check_lock, NULL);
   io->readonly = opts->readonly;
   io->direct = opts->direct != BCF_IO_DIRECT_OFF;
   io->fd = open_fd (opts, io->direct);
@@ -1284,6 +1298,7 @@ bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
     return r;
   }
   io->size -= io->size % io->block_size;
+  bcf_io_check (io);              /* the allocated space, as we found it */
   *iop = io;
   return 0;
 }
@@ -1299,6 +1314,7 @@ bcf_io_close (struct bcf_io *io)
     r = -errno;
   undo_clear (io);
   pthread_mutex_destroy (&io->undo_lock);
+  pthread_mutex_destroy (&io->check_lock);
   bcf_claim_release (io->own_claim);
   free (io->path);
   free (io);
@@ -1324,6 +1340,80 @@ const char *
 bcf_io_notice (const struct bcf_io *io)
 {
   return io->notice[0] ? io->notice : NULL;
+}
+
+/* ---- The device changing under us ------------------------------------ */
+
+static void
+mark_lost (struct bcf_io *io, const char *fmt, ...)
+  __attribute__ ((format (printf, 2, 3)));
+
+/* Under check_lock. */
+static void
+mark_lost (struct bcf_io *io, const char *fmt, ...)
+{
+  va_list ap;
+
+  if (atomic_load (&io->lost))
+    return;
+  va_start (ap, fmt);
+  vsnprintf (io->lost_why, sizeof io->lost_why, fmt, ap);
+  va_end (ap);
+  atomic_store_explicit (&io->lost, true, memory_order_release);
+}
+
+/* Space a file may lose without being taken for changed: filesystems
+ * that deallocate on their own (speculative preallocation, compression)
+ * move a little; a truncation loses far more. */
+static uint64_t
+blocks_slack (const struct bcf_io *io)
+{
+  uint64_t slack = io->size / 32 / 512;
+
+  return slack > 2048 ? slack : 2048;   /* at least 1 MiB */
+}
+
+int
+bcf_io_check (struct bcf_io *io)
+{
+  struct stat st;
+  uint64_t size;
+
+  if (atomic_load_explicit (&io->lost, memory_order_acquire))
+    return -ENXIO;
+  pthread_mutex_lock (&io->check_lock);
+  if (fstat (io->fd, &st) == -1)
+    goto out;
+  if (io->blockdev) {
+    if (ioctl (io->fd, BLKGETSIZE64, &size) == -1)
+      goto out;
+  }
+  else
+    size = (uint64_t) st.st_size;
+  if (size < io->size)
+    mark_lost (io, "%s shrank from %" PRIu64 " to %" PRIu64 " bytes under "
+               "us (truncated, or resized?)", io->path, io->size, size);
+  else if (!io->blockdev) {
+    uint64_t blocks = (uint64_t) st.st_blocks;
+
+    if (blocks + blocks_slack (io) < io->blocks_peak)
+      mark_lost (io, "%s lost %" PRIu64 " of its %" PRIu64 " allocated "
+                 "bytes under us (truncated and written again, or holes "
+                 "punched?)", io->path, (io->blocks_peak - blocks) * 512,
+                 io->blocks_peak * 512);
+    else if (blocks > io->blocks_peak)
+      io->blocks_peak = blocks;
+  }
+ out:
+  pthread_mutex_unlock (&io->check_lock);
+  return atomic_load (&io->lost) ? -ENXIO : 0;
+}
+
+const char *
+bcf_io_lost (struct bcf_io *io)
+{
+  return atomic_load_explicit (&io->lost, memory_order_acquire)
+         ? io->lost_why : NULL;
 }
 
 uint64_t

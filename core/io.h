@@ -225,6 +225,15 @@ struct bcf_io_stats {
                                            (armed only) */
 };
 extern void bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st);
+/* Is the device still the one we opened?  A file or block device that
+ * became shorter than at open, or a file that lost much of its allocated
+ * space (truncated and grown back: reads of the holes return zeros, not
+ * errors) is "lost": from then on the cache must not be trusted.  One
+ * fstat (and BLKGETSIZE64), cheap enough to call every 100 ms; also
+ * called by every failed I/O.  Returns 0, or -ENXIO once lost. */
+extern int bcf_io_check (struct bcf_io *io);
+/* Why the device was found lost, or NULL while it is not. */
+extern const char *bcf_io_lost (struct bcf_io *io);
 /* Every I/O done so far, failed ones included (cheap: a few atomic
  * loads; bcache's io_count, which its error decay is measured in). */
 extern uint64_t bcf_io_count (struct bcf_io *io);

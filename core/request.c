@@ -218,6 +218,7 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
 
 static void device_error (struct bcf_req *r);
 static void decay_errors_locked (struct bcf_req *r);
+static void go_passthrough (struct bcf_req *r);
 
 /* Account for one fill's result (step 4 / W5). */
 static void
@@ -593,10 +594,19 @@ inner_of (const struct bcf_req *r, uint64_t offset, uint64_t count)
   return s;
 }
 
+/* Is the cache off: given up after errors, or its device changed under
+ * us (bcf_cache_device_lost), which gives it up now? */
 static bool
 cache_off (struct bcf_req *r)
 {
-  return atomic_load (&r->passthrough);
+  if (atomic_load (&r->passthrough))
+    return true;
+  if (__builtin_expect (bcf_cache_device_lost (r->c) != NULL, 0)) {
+    bcf_cache_check_device (r->c);      /* logs why, the first time */
+    go_passthrough (r);
+    return true;
+  }
+  return false;
 }
 
 /* Mark the device as given up, so the next open starts empty.  While
@@ -728,6 +738,10 @@ read_hit (struct bcf_req *r, const struct bcf_backing *b,
 {
   int rc = bcf_read_hit (r->c, e, buf);
 
+  /* A device found changed while we read it may have given us a hole's
+   * zeros: the backing store has the data (clean hits only). */
+  if (rc == 0 && !e->dirty && cache_off (r))
+    return backing_pread (b, buf, e->len, e->offset);
   if (rc == 0)
     return 0;
   if (rc == -ESTALE)

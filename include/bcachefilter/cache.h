@@ -131,6 +131,16 @@ const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
 const char *bcf_cache_io_name (const struct bcf_cache *c);
 bool bcf_cache_io_direct (const struct bcf_cache *c);
 uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
+/* Has the cache device changed under us: become shorter than at open,
+ * or (a file) lost much of its allocated space, as a truncate that later
+ * writes grow back with holes does?  Holes read as zeros, not errors, so
+ * from then on nothing the cache holds may be served.  The reason, or
+ * NULL.  One atomic load: cheap enough for every request. */
+const char *bcf_cache_device_lost (struct bcf_cache *c);
+/* Look at the device now (an fstat; the journal thread does it every
+ * journal_delay_ms, and every failed I/O does it too), and log the
+ * first time it is found lost.  Returns 0, or -ENXIO once lost. */
+int bcf_cache_check_device (struct bcf_cache *c);
 /* Cache-device I/Os done since open, failed ones included (what
  * bcache's error half-life is counted in). */
 uint64_t bcf_cache_device_ios (const struct bcf_cache *c);

@@ -647,6 +647,82 @@ START_TEST (device_errors_decay)
 }
 END_TEST
 
+/* The cache file truncated under the proxy and grown back (a mistaken
+ * truncate, a restore from backup): the old extents read as zeros, with
+ * no error.  Until the device is checked a hit serves those zeros (the
+ * window the journal thread's check every journal_delay_ms closes);
+ * after the check the cache is given up: reads come from the backing
+ * store, and the next open starts empty. */
+START_TEST (device_truncated_under_us)
+{
+  struct fx f;
+  uint8_t a[65536], got[65536], zero[65536] = { 0 };
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "truncated.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (a, sizeof a, 0x5a);
+  for (int i = 0; i < 8; i++)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
+                                     (uint64_t) i * MiB, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  ck_assert_int_eq (bcf_cache_check_device (f.c), 0);
+  ck_assert_ptr_null (bcf_cache_device_lost (f.c));
+
+  ck_assert_int_eq (truncate (f.path, 0), 0);
+  ck_assert_int_eq (truncate (f.path, 64 * MiB), 0);
+  /* The window: no I/O failed, nothing looked yet. */
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, zero, sizeof got) == 0,
+                 "expected the hole's zeros before the check");
+  ck_assert_int_eq (bcf_cache_check_device (f.c), -ENXIO);
+  ck_assert_ptr_nonnull (bcf_cache_device_lost (f.c));
+  for (int i = 0; i < 8; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got,
+                                    (uint64_t) i * MiB), 0);
+    ck_assert_msg (memcmp (got, a, sizeof a) == 0,
+                   "served the truncated cache's zeros at %d MiB", i);
+  }
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert (rs.passthrough);
+  fx_close (&f);
+  fx_open (&f);                 /* abandoned: starts empty */
+  ck_assert (!cached (&f, 0, sizeof a));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, MiB), 0);
+  ck_assert (memcmp (got, a, sizeof a) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* Shrunk only (not grown back): the next hit read is short, which fails
+ * and makes the device check itself at once. */
+START_TEST (device_shrunk_under_us)
+{
+  struct fx f;
+  uint8_t a[65536], got[65536];
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "shrunk.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  f.ro.error_limit = 1000;      /* not given up for the error count */
+  fx_set_error_limit (&f, 1000, 0);
+  pattern (a, sizeof a, 0x6b);
+  for (int i = 0; i < 8; i++)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
+                                     (uint64_t) i * MiB, false), 0);
+  ck_assert (cached (&f, 0, sizeof a));
+  ck_assert_int_eq (truncate (f.path, MiB), 0);
+  for (int i = 0; i < 8; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got,
+                                    (uint64_t) i * MiB), 0);
+    ck_assert (memcmp (got, a, sizeof a) == 0);
+  }
+  ck_assert_ptr_nonnull (bcf_cache_device_lost (f.c));
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert (rs.passthrough);   /* for the shrink, not the error count */
+  ck_assert_uint_lt (rs.device_errors, 1000);
+  fx_free (&f);
+}
+END_TEST
+
 /* A device that refuses writes is not asked to take the abandonment mark
  * once per client write (each attempt is a superblock write, and an
  * error in the log): attempts are at least abandon_retry_ms apart, and
@@ -987,6 +1063,8 @@ request_suite (void)
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
   ADD (device_errors_decay);
+  ADD (device_truncated_under_us);
+  ADD (device_shrunk_under_us);
   ADD (abandon_retries_are_spaced);
   ADD (unforgettable_write_fails);
   ADD (unforgettable_write_fails_in_passthrough);
