@@ -17,7 +17,10 @@
  *   error: MESSAGE\n          (one line: what was wrong and what is valid)
  *
  * and closes the connection.  A connection closed before any byte is sent
- * gets no answer.  Commands:
+ * gets no answer.  While CTL_MAX_CONNS connections are being served, new
+ * ones wait for a free slot; once every slot has been taken for
+ * CTL_QUEUE_MS, waiting and new connections are answered "error: busy:
+ * ..." without their line being read, until a slot frees.  Commands:
  *
  *   stats [--json]                          ops->stats
  *   set cache_mode MODE   (the filter names and checks the modes)
@@ -40,16 +43,46 @@
  * Messages from the ops are flattened to one line.  The ops write their
  * output to a memory stream, so a failing command sends no partial body.
  *
- * One thread serves the socket, one connection at a time: it polls the
- * listening socket and a stop pipe; for a connection it polls the
- * (non-blocking) connection and the stop pipe with the time left until
- * the connection's deadline (CTL_TIMEOUT_MS for reading the command, the
- * same again for writing the reply), so a slow, silent or non-reading
- * client holds the thread for at most that long, and bcf_ctl_stop is
- * served within one poll.  Replies are sent with MSG_NOSIGNAL (no
- * SIGPIPE).  The thread is created with every signal blocked, so signals
- * go to the host's threads.  As a second check behind the 0600 mode, a
- * peer whose uid (SO_PEERCRED) is neither ours nor root's is refused.
+ * Serving many clients
+ * --------------------
+ * A monitoring scraper must never wait behind an idle client, and
+ * nothing a client does may cost more than its own connection.  One
+ * thread serves every connection with a poll(2) loop: each connection
+ * is a slot (struct conn) with its own fixed line buffer, its reply and
+ * the deadline of its phase (CTL_TIMEOUT_MS to send the command line
+ * from the moment it is accepted, the same again to take the reply).
+ * The loop polls the stop pipe, the listening socket and every open
+ * connection (non-blocking) with the nearest deadline as its timeout;
+ * a ready connection is advanced as far as it goes without waiting, a
+ * connection past its deadline is answered "timed out" or dropped.  So
+ * a silent, dripping or non-reading client holds its slot for at most
+ * 2 * CTL_TIMEOUT_MS and delays no one, and bcf_ctl_stop is served
+ * within one poll.  A newly accepted connection is read at once: a
+ * client that sent its line before being accepted (the usual case) is
+ * answered and gone within the same turn of the loop.
+ *
+ * Why a loop and not a thread per connection: the commands are short
+ * (they read counters and set atomics), so running them one at a time
+ * costs nothing, and it keeps the rule for the ops as it was (called
+ * one at a time, from one thread).  The memory is fixed when the server
+ * starts (CTL_MAX_CONNS slots of CTL_MAX_LINE bytes, no allocation
+ * driven by a client apart from the reply, bounded by what the ops
+ * write), and idle clients cost no threads.  The price: an op that
+ * blocks delays every client, hence the rule in ctl.h.
+ *
+ * Bounds.  At most CTL_MAX_CONNS connections are served at once.  When
+ * every slot is taken the listening socket is not polled: further
+ * connections wait in the kernel's listen queue (CTL_BACKLOG long, so a
+ * burst of connects is queued rather than refused with EAGAIN) for a
+ * slot to free.  If none frees within CTL_QUEUE_MS of the last slot
+ * being taken, they (and new ones, until a slot frees) are accepted,
+ * answered "error: busy: ..." at once, and closed.  At most
+ * CTL_MAX_CONNS connections are accepted per turn of the loop, so a
+ * stream of new clients does not starve the open ones.  Replies are
+ * sent with MSG_NOSIGNAL (no SIGPIPE).  The thread is created with every
+ * signal blocked, so signals go to the host's threads.  As a second
+ * check behind the 0600 mode, a peer whose uid (SO_PEERCRED) is neither
+ * ours nor root's is refused.
  *
  * The socket is created owner-only with no window: the socket inode is
  * fchmod'ed to 0600 before bind (Linux creates the file with the socket
@@ -63,9 +96,9 @@
  *
  * Locking: ctl_lock serializes bcf_ctl_check_path / start / stop and
  * guards struct ctl.  The serving thread reads only listen_fd, stop_rd
- * and ops, which are set before it starts and changed only after it has
- * been joined.  The ops are called from the serving thread, one at a
- * time; they must not call bcf_ctl_stop (it would wait for itself).
+ * and server, which are set before it starts and changed only after it
+ * has been joined; struct server is that thread's alone.  The ops are
+ * called from the serving thread, one at a time (see ctl.h).
  *
  * This file uses only libc and pthreads (no nbdkit), so that it can be
  * unit tested on its own.
@@ -97,7 +130,11 @@
 #define CTL_MAX_LINE    4096    /* bytes, including the newline */
 #define CTL_MAX_WORDS   8
 #define CTL_TIMEOUT_MS  5000    /* to send the command; again to read the reply */
-#define CTL_BACKLOG     16
+#define CTL_MAX_CONNS   64      /* connections served at once */
+#define CTL_QUEUE_MS    500     /* the longest wait for a slot when all are taken */
+#define CTL_BACKLOG     4096    /* the listen queue (the kernel caps it at
+                                 * net.core.somaxconn) */
+#define CTL_ACCEPT_PAUSE_MS 100 /* out of descriptors: retry accepting after */
 #define CTL_QUOTE_MAX   40      /* bytes of a client's word quoted back */
 #define CTL_ERR_MAX     1024
 
@@ -113,7 +150,7 @@ static struct {
   pthread_t thread;
   int listen_fd;
   int stop_rd, stop_wr;                 /* the stop pipe */
-  const struct bcf_ctl_ops *ops;
+  struct server *server;                /* the serving thread's own */
   char path[SUN_PATH_MAX];
   dev_t dev;                            /* of the socket file we made */
   ino_t ino;
@@ -548,54 +585,28 @@ handle_line (const struct bcf_ctl_ops *ops, char *line, size_t len,
  * The serving thread
  * ------------------------------------------------------------------------ */
 
-/* Wait until fd is ready for events, the deadline passes or stop is
- * requested.  Returns 1 ready, 0 timed out, -1 stop requested or error. */
-static int
-wait_fd (int fd, short events, uint64_t deadline)
-{
-  for (;;) {
-    struct pollfd pfd[2] = {
-      { .fd = fd, .events = events },
-      { .fd = ctl.stop_rd, .events = POLLIN },
-    };
-    uint64_t now = now_ms ();
-    int r;
+/* A connection being served (a slot of struct server): first its
+ * command line is read into line, then the reply r is sent from offset
+ * sent.  Each phase has its own deadline. */
+struct conn {
+  int fd;                       /* -1: the slot is free */
+  bool writing;                 /* the reply is ready */
+  uint64_t deadline;            /* of the current phase (now_ms) */
+  size_t len;                   /* bytes in line */
+  size_t sent;                  /* bytes of r sent */
+  struct reply r;
+  char line[CTL_MAX_LINE + 1];  /* + 1: room for the NUL */
+};
 
-    if (now >= deadline)
-      return 0;
-    r = poll (pfd, 2, (int) (deadline - now));
-    if (r == -1) {
-      if (errno == EINTR)
-        continue;
-      return -1;
-    }
-    if (pfd[1].revents)
-      return -1;
-    if (pfd[0].revents)
-      return 1;
-  }
-}
-
-/* Send all of buf before the deadline (best effort). */
-static void
-send_all (int fd, const char *buf, size_t len, uint64_t deadline)
-{
-  while (len > 0) {
-    ssize_t n = send (fd, buf, len, MSG_NOSIGNAL);
-
-    if (n == -1) {
-      if (errno == EINTR)
-        continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        return;
-      if (wait_fd (fd, POLLOUT, deadline) != 1)
-        return;
-      continue;
-    }
-    buf += n;
-    len -= (size_t) n;
-  }
-}
+/* The serving thread's state: allocated by bcf_ctl_start, then touched
+ * by that thread alone until it has been joined (no lock). */
+struct server {
+  const struct bcf_ctl_ops *ops;
+  unsigned nconn;               /* slots in use */
+  uint64_t full_since;          /* when the last slot was taken; 0: not full */
+  uint64_t accept_after;        /* accepting paused until then (out of fds) */
+  struct conn conn[CTL_MAX_CONNS];
+};
 
 static bool
 peer_allowed (int fd)
@@ -610,105 +621,261 @@ peer_allowed (int fd)
   return true;                  /* the 0600 mode is the check */
 }
 
-/* Serve one accepted (non-blocking) connection. */
+/* The reply in c->r is complete: start sending it. */
 static void
-serve_connection (int fd, const struct bcf_ctl_ops *ops)
+conn_reply (struct conn *c)
 {
-  char line[CTL_MAX_LINE + 1];  /* + 1: room for the NUL */
-  struct reply r = { NULL, 0 };
-  uint64_t deadline = now_ms () + CTL_TIMEOUT_MS;
-  size_t len = 0;
-  char *nl = NULL;
+  if (c->r.buf == NULL)
+    reply_error (&c->r, "out of memory");
+  c->writing = true;
+  c->sent = 0;
+  c->deadline = now_ms () + CTL_TIMEOUT_MS;
+}
 
-  if (!peer_allowed (fd)) {
-    reply_error (&r, "permission denied");
-    goto send;
-  }
-
-  while (nl == NULL) {
+/* Read what has arrived; once the line is complete (newline or end of
+ * file) or too long, build the reply.  Returns false if the connection
+ * is finished without an answer (closed before any byte, or broken). */
+static bool
+conn_read (const struct server *s, struct conn *c)
+{
+  for (;;) {
     ssize_t n;
-    int w;
+    char *nl;
 
-    if (len == CTL_MAX_LINE) {
-      reply_error (&r, "command too long (the limit is %d bytes): valid "
+    if (c->len == CTL_MAX_LINE) {
+      reply_error (&c->r, "command too long (the limit is %d bytes): valid "
                    "commands: " VALID_COMMANDS, CTL_MAX_LINE - 1);
-      goto send;
+      conn_reply (c);
+      return true;
     }
-    n = recv (fd, line + len, CTL_MAX_LINE - len, 0);
-    if (n == 0) {               /* end of the command without a newline */
-      if (len == 0)
-        return;                 /* nothing asked: no answer */
-      break;
-    }
+    n = recv (c->fd, c->line + c->len, CTL_MAX_LINE - c->len, 0);
     if (n == -1) {
       if (errno == EINTR)
         continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        return;
-      w = wait_fd (fd, POLLIN, deadline);
-      if (w == -1)
-        return;                 /* stopping */
-      if (w == 0) {
-        reply_error (&r, "timed out: no complete command line within %d "
-                     "seconds", CTL_TIMEOUT_MS / 1000);
-        goto send;
-      }
-      continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;   /* wait for more */
     }
-    nl = memchr (line + len, '\n', (size_t) n);
-    len += (size_t) n;
+    if (n == 0) {               /* end of the command without a newline */
+      if (c->len == 0)
+        return false;           /* nothing asked: no answer */
+      break;
+    }
+    nl = memchr (c->line + c->len, '\n', (size_t) n);
+    c->len += (size_t) n;
+    if (nl != NULL) {
+      c->len = (size_t) (nl - c->line);
+      break;
+    }
   }
-  if (nl != NULL)
-    len = (size_t) (nl - line);
-
-  handle_line (ops, line, len, &r);
-  if (r.buf == NULL)
-    reply_error (&r, "out of memory");
-
- send:
-  if (r.buf != NULL)
-    send_all (fd, r.buf, r.len, now_ms () + CTL_TIMEOUT_MS);
-  free (r.buf);
+  handle_line (s->ops, c->line, c->len, &c->r);
+  conn_reply (c);
+  return true;
 }
 
+/* Send what the socket takes of the reply.  Returns false when the
+ * connection is finished: all sent, or the peer is gone. */
+static bool
+conn_write (struct conn *c)
+{
+  while (c->sent < c->r.len) {
+    ssize_t n = send (c->fd, c->r.buf + c->sent, c->r.len - c->sent,
+                      MSG_NOSIGNAL);
+
+    if (n == -1) {
+      if (errno == EINTR)
+        continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+    c->sent += (size_t) n;
+  }
+  return false;
+}
+
+/* The connection is ready (or was just accepted): advance it as far as
+ * it goes without waiting.  Returns false when it is finished. */
+static bool
+conn_step (const struct server *s, struct conn *c)
+{
+  if (!c->writing && !conn_read (s, c))
+    return false;
+  return c->writing ? conn_write (c) : true;
+}
+
+/* The deadline of c's phase has passed: a command line that did not
+ * come is answered with an error; a reply not taken is dropped.  Returns
+ * false when the connection is finished. */
+static bool
+conn_expire (struct conn *c)
+{
+  if (c->writing)
+    return false;
+  reply_error (&c->r, "timed out: no complete command line within %d "
+               "seconds", CTL_TIMEOUT_MS / 1000);
+  conn_reply (c);
+  return conn_write (c);
+}
+
+static void
+conn_open (struct server *s, struct conn *c, int fd)
+{
+  *c = (struct conn) { .fd = fd, .deadline = now_ms () + CTL_TIMEOUT_MS };
+  if (++s->nconn == CTL_MAX_CONNS)
+    s->full_since = now_ms ();
+  if (!peer_allowed (fd)) {
+    reply_error (&c->r, "permission denied");
+    conn_reply (c);
+  }
+}
+
+static void
+conn_close (struct server *s, struct conn *c)
+{
+  close_fd (&c->fd);
+  free (c->r.buf);
+  c->r = (struct reply) { NULL, 0 };
+  s->nconn--;
+  s->full_since = 0;
+}
+
+/* Refuse a connection beyond the bound: one line, without waiting. */
+static void
+refuse_busy (int fd)
+{
+  char msg[256];
+  int n;
+
+  n = snprintf (msg, sizeof msg, "error: busy: %d control connections are "
+                "open, the most served at once, and none finished within "
+                "%d ms; try again\n", CTL_MAX_CONNS, CTL_QUEUE_MS);
+  if (n > 0)
+    (void) send (fd, msg, (size_t) n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  close (fd);
+}
+
+/* Is this the time to accept?  Not while accepting is paused (out of
+ * descriptors), nor while every slot is taken, for up to CTL_QUEUE_MS:
+ * new connections wait in the listen queue for a free slot, and after
+ * that are accepted and refused.  If not, *wake is lowered to when it
+ * will be. */
+static bool
+accepting (const struct server *s, uint64_t now, uint64_t *wake)
+{
+  uint64_t from = s->accept_after;
+
+  if (s->nconn == CTL_MAX_CONNS && s->full_since + CTL_QUEUE_MS > from)
+    from = s->full_since + CTL_QUEUE_MS;
+  if (now >= from)
+    return true;
+  if (from < *wake)
+    *wake = from;
+  return false;
+}
+
+static struct conn *
+free_slot (struct server *s)
+{
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++)
+    if (s->conn[i].fd == -1)
+      return &s->conn[i];
+  return NULL;
+}
+
+/* Accept what the listen queue holds, at most CTL_MAX_CONNS at a time
+ * (the open connections get their turn), and serve each as far as it
+ * goes at once: a client that sent its line before being accepted is
+ * answered here and frees its slot again. */
+static void
+accept_queued (struct server *s)
+{
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
+    uint64_t ignored = UINT64_MAX;
+    struct conn *c;
+    int fd;
+
+    if (!accepting (s, now_ms (), &ignored))
+      return;
+    fd = accept4 (ctl.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd == -1) {
+      if (errno == EINTR || errno == ECONNABORTED)
+        continue;
+      /* Out of descriptors or memory: the connection stays queued, so
+       * pause accepting instead of spinning. */
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+          errno == ENOMEM)
+        s->accept_after = now_ms () + CTL_ACCEPT_PAUSE_MS;
+      return;
+    }
+    c = free_slot (s);
+    if (c == NULL) {
+      refuse_busy (fd);
+      continue;
+    }
+    conn_open (s, c, fd);
+    if (!conn_step (s, c))
+      conn_close (s, c);
+  }
+}
+
+/* One poll(2) over the stop pipe, the listening socket (when accepting)
+ * and every open connection, with the nearest deadline as timeout. */
 static void *
 serve (void *arg)
 {
-  const struct bcf_ctl_ops *ops = arg;
+  struct server *s = arg;
+  struct pollfd pfd[2 + CTL_MAX_CONNS];
+  struct conn *polled[CTL_MAX_CONNS];
 
   for (;;) {
-    struct pollfd pfd[2] = {
-      { .fd = ctl.listen_fd, .events = POLLIN },
-      { .fd = ctl.stop_rd, .events = POLLIN },
-    };
-    int fd;
+    uint64_t now = now_ms (), wake = UINT64_MAX;
+    nfds_t n = 2;
+    int timeout;
 
-    if (poll (pfd, 2, -1) == -1) {
+    pfd[0] = (struct pollfd) { .fd = ctl.stop_rd, .events = POLLIN };
+    pfd[1] = (struct pollfd) { .fd = -1 };      /* -1: ignored by poll */
+    if (accepting (s, now, &wake))
+      pfd[1] = (struct pollfd) { .fd = ctl.listen_fd, .events = POLLIN };
+    for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
+      struct conn *c = &s->conn[i];
+
+      if (c->fd == -1)
+        continue;
+      polled[n - 2] = c;
+      pfd[n++] = (struct pollfd) {
+        .fd = c->fd, .events = c->writing ? POLLOUT : POLLIN,
+      };
+      if (c->deadline < wake)
+        wake = c->deadline;
+    }
+    if (wake == UINT64_MAX)
+      timeout = -1;
+    else
+      timeout = wake <= now ? 0
+        : wake - now > INT_MAX ? INT_MAX : (int) (wake - now);
+
+    if (poll (pfd, n, timeout) == -1) {
       if (errno == EINTR)
         continue;
       break;
     }
-    if (pfd[1].revents)
-      break;
-    if (!(pfd[0].revents & POLLIN))
-      continue;
+    if (pfd[0].revents)
+      break;                    /* bcf_ctl_stop */
 
-    fd = accept4 (ctl.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd == -1) {
-      /* Out of descriptors or memory: the connection stays queued, so
-       * back off instead of spinning (the stop pipe still wakes us). */
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
-          errno == ENOMEM) {
-        struct pollfd spfd = { .fd = ctl.stop_rd, .events = POLLIN };
+    now = now_ms ();
+    for (nfds_t i = 2; i < n; i++) {
+      struct conn *c = polled[i - 2];
+      bool open = pfd[i].revents ? conn_step (s, c) : true;
 
-        if (poll (&spfd, 1, 100) == 1)
-          break;
-      }
-      continue;
+      if (open && now >= c->deadline)
+        open = conn_expire (c);
+      if (!open)
+        conn_close (s, c);
     }
-    serve_connection (fd, ops);
-    close (fd);
+    if (pfd[1].revents)
+      accept_queued (s);
   }
+
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++)
+    if (s->conn[i].fd != -1)
+      conn_close (s, &s->conn[i]);
   return NULL;
 }
 
@@ -728,8 +895,9 @@ cleanup_locked (bool unlink_socket)
   if (unlink_socket && lstat (ctl.path, &st) == 0 &&
       st.st_dev == ctl.dev && st.st_ino == ctl.ino)
     unlink (ctl.path);
+  free (ctl.server);
+  ctl.server = NULL;
   ctl.path[0] = '\0';
-  ctl.ops = NULL;
 }
 
 int
@@ -811,12 +979,19 @@ bcf_ctl_start (const char *path, const struct bcf_ctl_ops *ops,
   }
   ctl.stop_rd = pipefd[0];
   ctl.stop_wr = pipefd[1];
-  ctl.ops = ops;
+  ctl.server = calloc (1, sizeof *ctl.server);
+  if (ctl.server == NULL) {
+    r = fail (err, errlen, "control socket: out of memory");
+    goto fail_file;
+  }
+  ctl.server->ops = ops;
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++)
+    ctl.server->conn[i].fd = -1;
 
   /* The thread blocks every signal: they are the host's business. */
   sigfillset (&all);
   pthread_sigmask (SIG_SETMASK, &all, &old);
-  r = pthread_create (&ctl.thread, NULL, serve, (void *) ops);
+  r = pthread_create (&ctl.thread, NULL, serve, ctl.server);
   pthread_sigmask (SIG_SETMASK, &old, NULL);
   if (r != 0) {
     errno = r;

@@ -1,7 +1,9 @@
 /* bcachefilter: the control socket (bcache-ctl=PATH).
  *
  * A unix stream socket, created with owner-only permissions (0600), served
- * by one thread.  The filter supplies what the commands do through
+ * by one thread that multiplexes up to 64 connections at once (poll(2),
+ * a deadline per connection), so an idle or slow client holds only its
+ * own connection.  The filter supplies what the commands do through
  * struct bcf_ctl_ops; this module owns the socket, the wire protocol
  * (documented in ctl.c and bcachefilter-ctl(1)) and the parsing of
  * commands, and never touches the cache itself.
@@ -20,6 +22,13 @@
 #include <stddef.h>
 #include <stdio.h>
 
+/* The rule for the ops: they are called from the serving thread, one at
+ * a time (never two at once), concurrently with the host's other threads
+ * (NBD requests, the cache's background threads).  Since that thread
+ * serves every client, an op must return promptly: read counters, take
+ * short locks, set atomics; never wait for I/O or for background work (a
+ * GC pass, a flush).  An op must not call bcf_ctl_start or bcf_ctl_stop
+ * (stop would wait for the thread the op runs in). */
 struct bcf_ctl_ops {
   /* Write the output of the command to fp.  Return 0, or -1 with a
    * message in err (what was wrong, and what to do). */

@@ -13,6 +13,8 @@
 #  - "set sequential_cutoff" takes effect (stats), bad values fail;
 #  - "trigger_gc" and "show super" work (show super names the cache);
 #  - an unknown command fails with status 1; the text stats work;
+#  - three idle connections held open do not delay stats (under 1 s),
+#    and 300 simultaneous connects are all answered, none refused;
 #  - after all that the data is right, and the proxy stops cleanly (the
 #    socket is removed).
 
@@ -133,6 +135,64 @@ st=0; C frobnicate > "$d/unknown.out" 2>&1 || st=$?
 cat "$d/unknown.out"
 test "$st" -ne 0 || fail "an unknown command succeeded"
 test -s "$d/unknown.out" || fail "an unknown command failed without a message"
+
+# Under load: three idle connections held open do not delay stats (served
+# one connection at a time it waited 15 s), and 300 simultaneous
+# non-blocking connects are queued, not refused with EAGAIN (the backlog
+# was 16); each is answered with the stats or, beyond the documented
+# bound, "error: busy".  The idle connections close with the script.
+"$PYTHON" - "$ctl" <<'EOF'
+import errno, select, socket, subprocess, sys, time
+path = sys.argv[1]
+idle = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+for s in idle:
+    s.connect(path)
+time.sleep(0.2)
+t0 = time.monotonic()
+out = subprocess.run(["bcachefilter-ctl", "-s", path, "stats", "--json"],
+                     capture_output=True, timeout=20)
+dt = time.monotonic() - t0
+print(f"stats with 3 idle connections: {dt * 1000:.0f} ms")
+assert out.returncode == 0 and b"cache_hits" in out.stdout, out
+assert dt < 1.0, f"stats took {dt:.3f} s behind 3 idle connections"
+for s in idle:
+    s.close()
+
+conns = []
+for i in range(300):
+    s = socket.socket(socket.AF_UNIX)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+    except OSError as e:
+        sys.exit(f"connect {i + 1} of 300: {errno.errorcode[e.errno]}")
+    conns.append(s)
+for s in conns:
+    try:
+        s.send(b"stats --json\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass                    # refused as busy: its answer counts
+answers = {s: b"" for s in conns}
+done, deadline = {}, time.monotonic() + 30
+while len(done) < len(conns):
+    assert time.monotonic() < deadline, f"{len(conns) - len(done)} unanswered"
+    ready, _, _ = select.select([s for s in conns if s not in done], [], [], 1)
+    for s in ready:
+        try:
+            d = s.recv(65536)
+        except ConnectionResetError:
+            d = b""
+        if d:
+            answers[s] += d
+        else:
+            done[s] = answers[s]
+            s.close()
+ok = sum(a.startswith(b"ok\n{") for a in done.values())
+busy = sum(a.startswith(b"error: busy: ") for a in done.values())
+print(f"300 simultaneous connects: {ok} answered, {busy} busy")
+assert ok + busy == 300, [a for a in done.values()
+                          if not a.startswith((b"ok\n{", b"error: busy: "))][:3]
+EOF
 
 # The data is right after all that, and the proxy stops cleanly.
 cp "$d/data" "$d/expect"

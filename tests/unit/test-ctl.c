@@ -10,6 +10,10 @@
  * through BUILDDIR), whose output and exit status are checked.  The socket
  * file itself is checked too: mode 0600 whatever the umask, a stale socket
  * is replaced, a live one or any other file is refused, stop removes it.
+ * Under load: idle and half-line clients held open delay no one, a burst
+ * of 300 non-blocking connects is queued and answered, and with every
+ * slot taken a new client waits for one, then is told "busy"; stop stays
+ * prompt with all the slots taken.
  */
 #include "config.h"
 
@@ -831,6 +835,242 @@ START_TEST (test_many_clients)
 }
 END_TEST
 
+/* ---- Many clients at once: none waits behind another ---------------------- */
+
+/* The documented bounds (ctl.c, bcachefilter-ctl(1)). */
+#define SLOTS     64            /* connections served at once */
+#define QUEUE_MS  500           /* the wait for a slot before "busy" */
+#define PROMPT_MS 1000          /* "promptly": a correctness bound */
+
+/* Open n connections that send nothing (yet).  Returns the time just
+ * before the last connect (the server cannot have accepted it sooner). */
+static uint64_t
+open_idle (int *fd, int n)
+{
+  uint64_t last = 0;
+
+  for (int i = 0; i < n; i++) {
+    last = ms_now ();
+    fd[i] = connect_to (sock);
+  }
+  usleep (100000);              /* let the server accept them */
+  return last;
+}
+
+static void
+close_all (int *fd, int n)
+{
+  for (int i = 0; i < n; i++)
+    close (fd[i]);
+}
+
+/* cmd(line), answered within PROMPT_MS (else the test fails). */
+static void
+expect_prompt (const char *line, const char *want)
+{
+  uint64_t t0 = ms_now ();
+  int fd = connect_to (sock);
+  char *r;
+
+  write_all (fd, line, strlen (line));
+  r = read_all (fd, PROMPT_MS);
+  close (fd);
+  ck_assert_msg (ms_now () - t0 < PROMPT_MS, "%s answered after %" PRIu64
+                 " ms", line, ms_now () - t0);
+  ck_assert_msg (strcmp (r, want) == 0, "%s -> [%s], want [%s]", line, r,
+                 want);
+  free (r);
+}
+
+/* Three idle connections held open: stats is answered at once, through
+ * the socket and through bcachefilter-ctl.  (One connection at a time,
+ * this waited 3 x 5 s.) */
+START_TEST (test_idle_clients)
+{
+  int idle[3];
+  uint64_t t0;
+  struct run r;
+
+  start ();
+  open_idle (idle, 3);
+  expect_prompt ("stats\n", "ok\ncache_hits 1\n");
+  t0 = ms_now ();
+  r = run_ctl (sock, "stats", NULL);
+  ck_assert_msg (ms_now () - t0 < PROMPT_MS, "bcachefilter-ctl stats took %"
+                 PRIu64 " ms", ms_now () - t0);
+  ck_assert_int_eq (r.status, 0);
+  ck_assert_str_eq (r.out, "cache_hits 1\n");
+  free_run (&r);
+  close_all (idle, 3);
+}
+END_TEST
+
+/* A client that sends half a line and stalls holds only its own slot:
+ * others are answered meanwhile, and it is answered when it finishes
+ * its line. */
+START_TEST (test_half_line)
+{
+  int fd;
+  char *r;
+
+  start ();
+  fd = connect_to (sock);
+  write_all (fd, "sta", 3);
+  usleep (100000);
+  for (int i = 0; i < 5; i++)
+    expect_prompt ("stats --json\n", "ok\n{\"cache_hits\":1}\n");
+  write_all (fd, "ts\n", 3);
+  r = read_all (fd, PROMPT_MS);
+  ck_assert_str_eq (r, "ok\ncache_hits 1\n");
+  free (r);
+  close (fd);
+  look ();
+  ck_assert_int_eq (seen.stats, 6);
+}
+END_TEST
+
+/* BURST simultaneous connects: non-blocking, all in a row before any
+ * line is sent (the harshest case for the listen queue; with a backlog
+ * of 16 most got EAGAIN), then the lines, then the answers.  None may be
+ * refused at connect; every one is answered, with the output or (the
+ * documented bound) "error: busy". */
+#define BURST 300
+
+START_TEST (test_burst)
+{
+  struct sockaddr_un sun = { .sun_family = AF_UNIX };
+  static int fd[BURST];
+  static char buf[BURST][256];
+  static size_t len[BURST];
+  int open_left = BURST, ok = 0, busy = 0;
+  uint64_t deadline;
+
+  start ();
+  strcpy (sun.sun_path, sock);
+  for (int i = 0; i < BURST; i++) {
+    fd[i] = socket (AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    ck_assert_int_ge (fd[i], 0);
+    ck_assert_msg (connect (fd[i], (struct sockaddr *) &sun, sizeof sun) == 0,
+                   "connect %d of %d: %s", i + 1, BURST, strerror (errno));
+  }
+  /* A connection refused as busy may be closed already (EPIPE): its
+   * answer is what counts. */
+  for (int i = 0; i < BURST; i++) {
+    ssize_t n = send (fd[i], "stats\n", 6, MSG_NOSIGNAL);
+
+    len[i] = 0;
+    ck_assert_msg (n == 6 || (n == -1 && (errno == EPIPE ||
+                                           errno == ECONNRESET)),
+                   "send %d: %s", i, strerror (errno));
+  }
+
+  /* Collect the answers (each ends with the server closing). */
+  deadline = ms_now () + 30000;
+  while (open_left > 0) {
+    struct pollfd pfd[BURST];
+    int map[BURST], n = 0;
+
+    for (int i = 0; i < BURST; i++)
+      if (fd[i] >= 0) {
+        pfd[n] = (struct pollfd) { .fd = fd[i], .events = POLLIN };
+        map[n++] = i;
+      }
+    ck_assert_msg (ms_now () < deadline, "%d of %d connections unanswered "
+                   "after 30 s", open_left, BURST);
+    ck_assert_int_ge (poll (pfd, (nfds_t) n, 1000), 0);
+    for (int j = 0; j < n; j++) {
+      int i = map[j];
+      ssize_t got;
+
+      if (!pfd[j].revents)
+        continue;
+      got = recv (fd[i], buf[i] + len[i], sizeof buf[i] - 1 - len[i], 0);
+      if (got > 0) {
+        len[i] += (size_t) got;
+        ck_assert_uint_lt (len[i], sizeof buf[i] - 1);
+        continue;
+      }
+      ck_assert_msg (got == 0 || (errno == ECONNRESET && len[i] > 0),
+                     "connection %d: recv: %s", i, strerror (errno));
+      buf[i][len[i]] = '\0';
+      if (strcmp (buf[i], "ok\ncache_hits 1\n") == 0)
+        ok++;
+      else if (strncmp (buf[i], "error: busy: ", 13) == 0)
+        busy++;
+      else
+        ck_abort_msg ("connection %d: unexpected answer [%s]", i, buf[i]);
+      close (fd[i]);
+      fd[i] = -1;
+      open_left--;
+    }
+  }
+  printf ("test_burst: %d connects, %d answered ok, %d busy\n", BURST, ok,
+          busy);
+  ck_assert_int_eq (ok + busy, BURST);
+  look ();
+  ck_assert_int_eq (seen.stats, ok);
+  /* And the server is still well. */
+  expect_prompt ("stats\n", "ok\ncache_hits 1\n");
+}
+END_TEST
+
+/* The bound: with every slot held by an idle client, a new connection
+ * waits QUEUE_MS for a slot, then is told "busy" in one line; once a
+ * slot frees, clients are served again; stop is prompt with all the
+ * slots taken. */
+START_TEST (test_slots_full)
+{
+  static int idle[SLOTS];
+  uint64_t full, t0, t1;
+  char *r;
+  int fd;
+
+  start ();
+  /* "busy" comes QUEUE_MS after the last slot was taken, not sooner. */
+  full = open_idle (idle, SLOTS);
+  t0 = ms_now ();
+  fd = connect_to (sock);
+  write_all (fd, "stats\n", 6);
+  r = read_all (fd, 5000);
+  t1 = ms_now ();
+  close (fd);
+  ck_assert_msg (strncmp (r, "error: busy: 64 control connections", 35) == 0,
+                 "[%s]", r);
+  ck_assert_msg (strchr (r, '\n') == r + strlen (r) - 1, "not one line: [%s]",
+                 r);
+  ck_assert_msg (t1 >= full + QUEUE_MS && t1 - t0 < QUEUE_MS + PROMPT_MS,
+                 "busy after %" PRIu64 " ms, %" PRIu64 " ms after the slots "
+                 "were full", t1 - t0, t1 - full);
+  free (r);
+  look ();
+  ck_assert_int_eq (seen.stats, 0);
+
+  /* One idle client leaves: the next client gets its slot. */
+  close (idle[0]);
+  expect_prompt ("stats\n", "ok\ncache_hits 1\n");
+
+  /* A client that came while all were taken is served when a slot
+   * frees within QUEUE_MS. */
+  idle[0] = connect_to (sock);
+  usleep (100000);
+  fd = connect_to (sock);
+  write_all (fd, "stats\n", 6);
+  usleep (100000);
+  close (idle[1]);
+  r = read_all (fd, PROMPT_MS);
+  ck_assert_str_eq (r, "ok\ncache_hits 1\n");
+  free (r);
+  close (fd);
+  idle[1] = connect_to (sock);
+
+  t0 = ms_now ();
+  bcf_ctl_stop ();
+  ck_assert_uint_lt (ms_now () - t0, PROMPT_MS);
+  ck_assert_int_eq (access (sock, F_OK), -1);
+  close_all (idle, SLOTS);
+}
+END_TEST
+
 /* ---- bcachefilter-ctl ----------------------------------------------------- */
 
 START_TEST (test_cli)
@@ -989,6 +1229,10 @@ ctl_suite (void)
   tcase_add_test (tc, test_timeout);
   tcase_add_test (tc, test_stop_prompt);
   tcase_add_test (tc, test_many_clients);
+  tcase_add_test (tc, test_idle_clients);
+  tcase_add_test (tc, test_half_line);
+  tcase_add_test (tc, test_burst);
+  tcase_add_test (tc, test_slots_full);
   tcase_add_test (tc, test_cli);
   suite_add_tcase (s, tc);
   return s;
