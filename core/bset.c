@@ -357,9 +357,8 @@ keyset_insert (struct keyset *s, const struct ckey *k)
   return 0;
 }
 
-/* Is k (a piece of the set) an offset-adjusted copy of expect? */
-static bool
-matches_expected (const struct ckey *k, const struct ckey *expect)
+bool
+ckey_matches (const struct ckey *k, const struct ckey *expect)
 {
   if (!ckey_has_ptr (k) || !ckey_has_ptr (expect))
     return false;
@@ -387,7 +386,7 @@ keyset_replace_matches (const struct keyset *s, const struct ckey *k,
     if (i >= s->nr || ckey_inode (&s->k[i]) != inode ||
         ckey_start (&s->k[i]) > pos)
       return false;           /* a hole: something removed part of it */
-    if (!matches_expected (&s->k[i], expect))
+    if (!ckey_matches (&s->k[i], expect))
       return false;
     pos = ckey_end (&s->k[i]);
   }

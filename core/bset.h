@@ -161,6 +161,10 @@ bool keyset_contains (const struct keyset *s, const struct ckey *k);
  * -ENOMEM (the set is unchanged on failure).  Zero-size keys are ignored. */
 int keyset_insert (struct keyset *s, const struct ckey *k);
 
+/* Is k an offset-adjusted copy of (a piece of) expect: same pointer
+ * device and gen, same pointer-minus-start relation, same dirty bit? */
+bool ckey_matches (const struct ckey *k, const struct ckey *expect);
+
 /* Would a replace of k against expect succeed?  True iff [start, end) of
  * k is covered, without holes, by keys that are offset-adjusted copies of
  * expect (same pointer device, gen and offset relation, same dirty bit). */

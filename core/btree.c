@@ -321,7 +321,7 @@ btree_free_buckets (struct bcf_cache *c)
 }
 
 /* A leaf made from others (split, merge) keeps their open sets' keys in
- * its own open set, with open_jdata and jseq: it is written whole
+ * its own open set, with open_jdata and removal_seq: it is written whole
  * (rewrite), so its open set serves only to tell which keys nothing on
  * disk holds yet (cache.c's key_only_in_memory), and those keys are still
  * only in memory.  Without this every split would make its keys look
@@ -360,8 +360,8 @@ inherit_open (struct btree_node *to, const struct btree_node *from,
   }
   if (from->open_jdata)
     to->open_jdata = true;
-  if (from->jseq > to->jseq)
-    to->jseq = from->jseq;
+  if (from->removal_seq > to->removal_seq)
+    to->removal_seq = from->removal_seq;
   return 0;
 }
 
@@ -483,24 +483,51 @@ btree_coalesce_locked (struct bcf_cache *c, struct btree_node *n)
   return 1;
 }
 
-/* Insert one piece that lies inside leaf n. */
+/* Sectors of dirty keys of s inside [start, end). */
+static uint64_t
+dirty_in (const struct keyset *s, uint64_t inode, uint64_t start,
+          uint64_t end)
+{
+  uint64_t sectors = 0;
+
+  if (s->ndirty == 0)
+    return 0;
+  for (size_t i = keyset_search (s, inode, start); i < s->nr; i++) {
+    const struct ckey *k = &s->k[i];
+    uint64_t a, b;
+
+    if (ckey_inode (k) != inode || ckey_start (k) >= end)
+      break;
+    if (!ckey_dirty (k))
+      continue;
+    a = ckey_start (k) > start ? ckey_start (k) : start;
+    b = ckey_end (k) < end ? ckey_end (k) : end;
+    sectors += b - a;
+  }
+  return sectors;
+}
+
+/* Insert one piece that lies inside leaf n.  Keeps tree.dirty_sectors
+ * exact: an insert changes only what lies inside its own range. */
 static int
 leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
              uint64_t jseq)
 {
+  const uint64_t inode = ckey_inode (k), s = ckey_start (k), e = ckey_end (k);
   size_t before = n->keys.nr;
+  uint64_t dirty_before = dirty_in (&n->keys, inode, s, e);
   int r;
 
   if ((r = keyset_insert (&n->open, k)) < 0 ||
       (r = keyset_insert (&n->keys, k)) < 0)
     return r;
+  /* Atomic: bcf_cache_dirty_bytes reads it without the lock. */
+  __atomic_add_fetch (&c->tree.dirty_sectors,
+                      dirty_in (&n->keys, inode, s, e) - dirty_before,
+                      __ATOMIC_RELAXED);
   c->tree.leaf_inserts++;
-  if (jseq) {
-    if (jseq > n->jseq)
-      n->jseq = jseq;
-    if (ckey_has_ptr (k) && !ckey_is_check (k))
-      n->open_jdata = true;
-  }
+  if (jseq && ckey_has_ptr (k) && !ckey_is_check (k))
+    n->open_jdata = true;
   c->tree.nkeys += n->keys.nr - before;
   if (n->keys.nr > c->tree.max_leaf_keys) {
     r = split_node (c, n);
@@ -548,28 +575,169 @@ btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
   return 0;
 }
 
-int
-btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
-                      const struct ckey *expect)
+void
+btree_note_removal_locked (struct bcf_cache *c, uint64_t inode,
+                           uint64_t start, uint64_t end, uint64_t seq)
+{
+  uint64_t pos = start;
+
+  while (pos < end) {
+    struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+
+    if (!n)
+      return;
+    if (seq > n->removal_seq)
+      n->removal_seq = seq;
+    if (ckey_inode (&n->key) != inode)
+      return;
+    pos = ckey_end (&n->key);
+  }
+}
+
+uint64_t
+btree_removal_seq_locked (struct bcf_cache *c, uint64_t inode,
+                          uint64_t start, uint64_t end)
+{
+  uint64_t pos = start, seq = 0;
+
+  while (pos < end) {
+    struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+
+    if (!n)
+      break;
+    if (n->removal_seq > seq)
+      seq = n->removal_seq;
+    if (ckey_inode (&n->key) != inode)
+      break;
+    pos = ckey_end (&n->key);
+  }
+  return seq;
+}
+
+bool
+btree_open_overlaps_locked (struct bcf_cache *c, const struct btree_node *n,
+                            uint64_t inode, uint64_t start, uint64_t end)
+{
+  const struct keyset *o = &n->open;
+  size_t i = keyset_search (o, inode, start);
+
+  return i < o->nr && ckey_inode (&o->k[i]) == inode &&
+         ckey_start (&o->k[i]) < end;
+}
+
+bool
+btree_range_dirty_locked (struct bcf_cache *c, uint64_t inode,
+                          uint64_t start, uint64_t end)
+{
+  uint64_t pos = start;
+
+  if (c->tree.dirty_sectors == 0)
+    return false;
+  while (pos < end) {
+    struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+
+    if (!n)
+      return false;
+    if (dirty_in (&n->keys, inode, pos, end))
+      return true;
+    if (ckey_inode (&n->key) != inode)
+      return false;
+    pos = ckey_end (&n->key);
+  }
+  return false;
+}
+
+int64_t
+btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
+{
+  const uint64_t inode = ckey_inode (dirty), end = ckey_end (dirty);
+  uint64_t pos = ckey_start (dirty);
+  struct ckey *match = NULL;
+  size_t n = 0, cap = 0;
+  int64_t cleaned = 0;
+  int r = 0;
+
+  /* First the matching pieces, clipped to the range (the tree is not
+   * changed while it is walked) ... */
+  while (pos < end && r == 0) {
+    struct btree_node *leaf = btree_find_leaf (c, inode, pos + 1);
+    const struct keyset *ks;
+
+    if (!leaf || leaf->evicted) {
+      r = leaf ? -ENODATA : -EIO;   /* a leaf with dirty keys stays loaded */
+      break;
+    }
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, inode, pos); i < ks->nr; i++) {
+      struct ckey k = ks->k[i];
+
+      if (ckey_inode (&k) != inode || ckey_start (&k) >= end)
+        break;
+      if (!ckey_matches (&k, dirty))
+        continue;
+      if (ckey_start (&k) < ckey_start (dirty))
+        ckey_cut_front (&k, ckey_start (dirty) - ckey_start (&k));
+      if (ckey_end (&k) > end)
+        ckey_cut_back (&k, ckey_end (&k) - end);
+      SET_KEY_DIRTY (ckey_bkey_mut (&k), 0);
+      if (n == cap) {
+        size_t nc = cap ? cap * 2 : 8;
+        void *p = realloc (match, nc * sizeof *match);
+        if (!p) {
+          r = -ENOMEM;
+          break;
+        }
+        match = p;
+        cap = nc;
+      }
+      match[n++] = k;
+    }
+    if (ckey_inode (&leaf->key) != inode)
+      break;
+    pos = ckey_end (&leaf->key);
+  }
+  /* ... then each replaced by its clean copy, which covers exactly it. */
+  for (size_t i = 0; i < n && r == 0; i++) {
+    r = btree_insert_locked (c, &match[i], 0);
+    if (r == 0)
+      cleaned += (int64_t) ckey_size (&match[i]);
+  }
+  free (match);
+  return r < 0 ? r : cleaned;
+}
+
+bool
+btree_range_matches_locked (struct bcf_cache *c, const struct ckey *k,
+                            const struct ckey *expect)
 {
   uint64_t pos = ckey_start (k);
-  struct ckey need;
 
-  if (!btree_range_loaded (c, ckey_inode (k), pos, ckey_end (k), &need))
-    return -ENODATA;
-
-  /* All or nothing: check every leaf first. */
   while (pos < ckey_end (k)) {
     struct btree_node *n = btree_find_leaf (c, ckey_inode (k), pos + 1);
     struct ckey p;
 
-    if (!n)
-      return -EIO;
+    if (!n || n->evicted)
+      return false;
     p = piece_in_leaf (n, k, pos);
     if (!keyset_replace_matches (&n->keys, &p, expect))
-      return -EEXIST;
+      return false;
     pos = ckey_end (&p);
   }
+  return true;
+}
+
+int
+btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
+                      const struct ckey *expect)
+{
+  struct ckey need;
+
+  if (!btree_range_loaded (c, ckey_inode (k), ckey_start (k), ckey_end (k),
+                           &need))
+    return -ENODATA;
+  /* All or nothing: every leaf first. */
+  if (!btree_range_matches_locked (c, k, expect))
+    return -EEXIST;
   return btree_insert_locked (c, k, 0);
 }
 
@@ -764,20 +932,26 @@ add_dirty_sectors (struct bcf_cache *c, struct btree_node *n, void *opaque)
 {
   uint64_t *sectors = opaque;
 
-  if (n->level == 0)
+  if (n->level == 0 && n->keys.ndirty)
     for (size_t i = 0; i < n->keys.nr; i++)
-      if (ckey_dirty (&n->keys.k[i]) && !ptr_stale (c, n->keys.k[i].ptr))
+      if (ckey_dirty (&n->keys.k[i]))
         *sectors += ckey_size (&n->keys.k[i]);
   return 0;
 }
 
 uint64_t
-btree_dirty_sectors (struct bcf_cache *c)
+btree_count_dirty_sectors (struct bcf_cache *c)
 {
   uint64_t sectors = 0;
 
   btree_visit (c, add_dirty_sectors, &sectors);
   return sectors;
+}
+
+uint64_t
+btree_dirty_sectors (struct bcf_cache *c)
+{
+  return __atomic_load_n (&c->tree.dirty_sectors, __ATOMIC_RELAXED);
 }
 
 /* ---- reading nodes ----------------------------------------------------------- */
@@ -908,6 +1082,7 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
             char *err, size_t errlen)
 {
   struct btree_node *n = calloc (1, sizeof *n);
+  int r;
 
   if (!n)
     return -ENOMEM;
@@ -918,7 +1093,11 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
   hash_add (&c->tree, n, bucket_of_ptr (c, root->ptr));
   c->tree.nnodes++;
   c->tree.root = n;
-  return load_subtree (c, n, err, errlen);
+  if ((r = load_subtree (c, n, err, errlen)) < 0)
+    return r;
+  __atomic_store_n (&c->tree.dirty_sectors, btree_count_dirty_sectors (c),
+                    __ATOMIC_RELAXED);
+  return 0;
 }
 
 /* ---- the checkpoint --------------------------------------------------------- */
@@ -1184,6 +1363,10 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
 
   pthread_rwlock_wrlock (&c->tree_lock);
   t0 = bcf_now_ns ();
+  /* From the first open set taken until this checkpoint commits, a
+   * removal that is in no open set may still be undurable (see
+   * tree.ckpt_uncommitted). */
+  c->tree.ckpt_uncommitted = true;
   r = split_oversized (c);
   /* Nothing below may fail half way: it clears open sets and advances
    * `written` as it encodes.  So first make sure every relocation can get
@@ -1314,6 +1497,7 @@ btree_checkpoint (struct bcf_cache *c)
       c->tree.dead[j++] = c->tree.dead[i];
   }
   c->tree.ndead = j;
+  c->tree.ckpt_uncommitted = false;   /* committed: all it took is durable */
   btree_evict_locked (c);
   bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t1);
   pthread_rwlock_unlock (&c->tree_lock);

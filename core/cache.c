@@ -214,6 +214,14 @@ bcf_cache_backing_size (const struct bcf_cache *c)
   return c->backing_sectors << BCH_SECTOR_SHIFT;
 }
 
+uint64_t
+bcf_cache_dirty_bytes (struct bcf_cache *c)
+{
+  /* Written under tree_lock; a racy read is only a moment old. */
+  return __atomic_load_n (&c->tree.dirty_sectors, __ATOMIC_RELAXED)
+         << BCH_SECTOR_SHIFT;
+}
+
 const char *
 bcf_cache_device_lost (struct bcf_cache *c)
 {
@@ -267,6 +275,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->miss_collisions = atomic_load (&c->stats.miss_collisions);
   st->read_races = atomic_load (&c->stats.read_races);
   st->inserts = atomic_load (&c->stats.inserts);
+  st->dirty_inserts = atomic_load (&c->stats.dirty_inserts);
   st->invalidates = atomic_load (&c->stats.invalidates);
   st->device_errors = atomic_load (&c->stats.device_errors);
   st->gc_passes = atomic_load (&c->stats.gc_passes);

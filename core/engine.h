@@ -190,12 +190,15 @@ struct btree_node {
   bool evicted;             /* clean leaf whose keys were dropped from
                                memory: load it (btree_load_evicted) before
                                use */
-  /* Leaves, for bcf_invalidate (its header comment in cache.c says why):
-   * jseq is the newest journal entry that holds a key inserted here (or
-   * into the leaves this one was split or merged from); never lowered.
+  /* Leaves, for the durable inserts of extent.c (bcf_invalidate and the
+   * dirty-key writes say why): removal_seq is the newest journal entry
+   * holding an insert here (or in the leaves this one was split or merged
+   * from) that removed a key a crash could bring back; never lowered.
+   * A range that looks empty may be empty because of such an entry, so
+   * a write there must not reach the backing store before it is durable.
    * open_jdata: the open set may hold a data key that a journal entry
    * holds, so it survives a crash though no checkpoint wrote it. */
-  uint64_t jseq;
+  uint64_t removal_seq;
   bool open_jdata;
   uint64_t last_use;        /* lru_clock at the last use (atomic) */
   struct btree_node *hash_next;
@@ -221,6 +224,15 @@ struct btree {
   /* Leaf inserts, and their count at the last checkpoint snapshot: the
    * tree has keys no checkpoint captured iff they differ. */
   uint64_t leaf_inserts, leaf_inserts_captured;
+  /* A checkpoint took open sets and has not committed yet: until it
+   * does, a removal no open set holds may not be durable (extent.c's
+   * range_state_locked).  Under tree_lock. */
+  bool ckpt_uncommitted;
+  /* Sectors of dirty data in the merged leaves, kept exact by every
+   * insert (leaf_insert), so that "is there dirty data" costs nothing
+   * (block status, abandon, stats).  Leaves holding dirty keys are never
+   * evicted, so no dirty key is ever out of memory. */
+  uint64_t dirty_sectors;
 };
 
 int btree_init (struct bcf_cache *c);
@@ -238,6 +250,35 @@ int btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
  * -ENOMEM. */
 int btree_insert_locked (struct bcf_cache *c, const struct ckey *k,
                          uint64_t jseq);
+/* The insert of [start, end) that journal entry seq holds removed keys a
+ * crash could bring back: raise removal_seq of the leaves of the range.
+ * Under tree_lock (write). */
+void btree_note_removal_locked (struct bcf_cache *c, uint64_t inode,
+                                uint64_t start, uint64_t end, uint64_t seq);
+/* The newest removal_seq of the leaves of [start, end) (tree_lock, any). */
+uint64_t btree_removal_seq_locked (struct bcf_cache *c, uint64_t inode,
+                                   uint64_t start, uint64_t end);
+/* Mark clean every piece of [start, end) of dirty key `dirty` that is
+ * still in the tree: keys that are offset-adjusted copies of it (same
+ * pointer relation and gen, dirty); parts that newer inserts replaced
+ * are left alone.  Not journalled (a crash that loses it finds the key
+ * dirty and writes the same data back).  Returns the sectors marked
+ * clean, or -errno.  Under tree_lock (write); the leaves must be loaded
+ * (they are: a leaf holding dirty keys is never evicted). */
+int64_t btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty);
+/* Does leaf n's open set (what changed since a checkpoint took it) hold
+ * a key or whiteout overlapping [start, end)?  Under tree_lock (any). */
+bool btree_open_overlaps_locked (struct bcf_cache *c,
+                                 const struct btree_node *n, uint64_t inode,
+                                 uint64_t start, uint64_t end);
+/* Is any dirty key in [start, end)?  Under tree_lock (any). */
+bool btree_range_dirty_locked (struct bcf_cache *c, uint64_t inode,
+                               uint64_t start, uint64_t end);
+/* Does [start, end) of k hold, without holes, only offset-adjusted
+ * pieces of expect (keyset_replace_matches in every leaf)?  False if a
+ * leaf of the range is not in memory.  Under tree_lock (any). */
+bool btree_range_matches_locked (struct bcf_cache *c, const struct ckey *k,
+                                 const struct ckey *expect);
 /* Replace insert: k only if [start, end) still holds expect.  Returns 0,
  * -EEXIST (collision), -EAGAIN or -ENOMEM.  Under tree_lock (write). */
 int btree_replace_locked (struct bcf_cache *c, const struct ckey *k,
@@ -274,8 +315,10 @@ void btree_evict_maybe (struct bcf_cache *c);
 typedef int (*btree_visit_fn) (struct bcf_cache *c, struct btree_node *n,
                                void *opaque);
 int btree_visit (struct bcf_cache *c, btree_visit_fn fn, void *opaque);
-/* Sectors of live dirty data (under tree_lock). */
+/* Sectors of dirty data (tree.dirty_sectors; under tree_lock). */
 uint64_t btree_dirty_sectors (struct bcf_cache *c);
+/* The same counted by walking every leaf (open, fsck). */
+uint64_t btree_count_dirty_sectors (struct bcf_cache *c);
 /* The checkpoint: write every dirty node and commit a new root through
  * the journal (caller holds ckpt_lock, no other lock). */
 int btree_checkpoint (struct bcf_cache *c);
@@ -442,7 +485,7 @@ struct bcf_cache {
 
   struct {
     atomic_uint_fast64_t miss_collisions, read_races;
-    atomic_uint_fast64_t inserts, invalidates, device_errors;
+    atomic_uint_fast64_t inserts, invalidates, device_errors, dirty_inserts;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                          checkpoint;

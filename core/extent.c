@@ -80,16 +80,22 @@ key_only_in_memory (const struct btree_node *n, const struct ckey *k)
  * bucket invalidated in memory gets its new gen persisted only with the
  * next prio write, so after a crash before that its old keys are valid
  * again.  (Stale keys already dropped from memory are bcf_invalidate's
- * other check.)  *jseq: the newest journal entry holding a key inserted
- * into the leaves of the range (see bcf_invalidate). */
+ * other check.)  *rseq: the newest journal entry holding an insert into
+ * the leaves of the range that removed a key a crash could bring back
+ * (removal_seq; see bcf_invalidate), counted only where such a removal
+ * can be in this range: a removal since the leaf's last checkpoint
+ * capture is a key or whiteout in its open set, and one that capture
+ * took is durable once it commits (the commit's journal entry follows
+ * it).  So a leaf's pending removal elsewhere in the leaf does not make
+ * a write here wait. */
 static enum range_state
 range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
-                    uint64_t *jseq)
+                    uint64_t *rseq)
 {
   enum range_state st = RANGE_EMPTY;
   uint64_t pos = s;
 
-  *jseq = 0;
+  *rseq = 0;
   while (pos < e) {
     struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
     const struct keyset *ks;
@@ -97,8 +103,13 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
 
     if (!leaf || leaf->evicted)
       return RANGE_PERSISTENT;    /* not in memory: assume cached (safe) */
-    if (leaf->jseq > *jseq)
-      *jseq = leaf->jseq;
+    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
+               : UINT64_MAX;
+    if (leaf->removal_seq > *rseq &&
+        (c->tree.ckpt_uncommitted ||
+         btree_open_overlaps_locked (c, leaf, c->inode, pos,
+                                     e < leaf_end ? e : leaf_end)))
+      *rseq = leaf->removal_seq;
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr; i++) {
       const struct ckey *k = &ks->k[i];
@@ -109,8 +120,6 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
         return RANGE_PERSISTENT;
       st = RANGE_VOLATILE;
     }
-    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
-               : UINT64_MAX;
     pos = leaf_end;
   }
   return st;
@@ -119,43 +128,73 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
 /* How insert_key journals its key. */
 enum journal_how {
   JOURNAL_NEVER,              /* check keys: memory only */
-  JOURNAL_ALWAYS,             /* data keys of writes (bcf_insert) */
+  JOURNAL_ALWAYS,             /* data keys of writes (bcf_insert, dirty
+                                 writes) */
   JOURNAL_IF_PERSISTENT,      /* whiteouts: where a crash could bring back
                                  what they remove (bcf_invalidate) */
 };
 
-/* Insert under the tree lock, journalled as `how` says.  *seq (if not
- * NULL) is raised to the journal entry the caller must make durable for
- * the insert to be: the key's own entry, and for JOURNAL_IF_PERSISTENT
- * also the leaves' jseq.  Handles a full journal entry by dropping the
- * lock and making room. */
+/* What a durable insert must wait for, collected over its pieces. */
+struct durability {
+  uint64_t seq;               /* journal entry to make durable */
+  bool ordered;               /* ... before the caller's backing write
+                                 (dirty writes: see bcf_write_begin) */
+};
+
+/* Is journal entry seq possibly not durable yet?  A relaxed read of
+ * durable_seq: a stale value only makes a caller wait for an entry that
+ * turns out to be durable already. */
+static bool
+journal_pending (struct bcf_cache *c, uint64_t seq)
+{
+  return seq > __atomic_load_n (&c->journal.durable_seq, __ATOMIC_RELAXED);
+}
+
+/* Insert under the tree lock, journalled as `how` says, and raise *d
+ * (if not NULL) to what the caller must make durable for the insert to
+ * be: the key's own entry, and for whiteouts also the pending removals
+ * of the leaves (removal_seq).  With expect, only if [start, end) of k
+ * still holds expect (a conditional invalidation: -EEXIST otherwise).
+ * Check keys (JOURNAL_NEVER) are never laid over dirty data: -EEXIST.
+ * An insert journalled because a crash could bring back what it removes
+ * records that in the leaves (btree_note_removal_locked).  Handles a
+ * full journal entry by dropping the lock and making room. */
 static int
 insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
-            uint64_t *seq)
+            const struct ckey *expect, struct durability *d)
 {
+  const uint64_t ks = ckey_start (k), ke = ckey_end (k);
+
   for (;;) {
     struct ckey need;
-    uint64_t s = 0;
-    bool journal = how == JOURNAL_ALWAYS;
+    uint64_t s = 0, rseq = 0;
+    bool journal = how == JOURNAL_ALWAYS, removes = false;
     int r;
 
     pthread_rwlock_wrlock (&c->tree_lock);
-    if (!btree_range_loaded (c, ckey_inode (k), ckey_start (k), ckey_end (k),
-                             &need)) {
+    if (!btree_range_loaded (c, ckey_inode (k), ks, ke, &need)) {
       pthread_rwlock_unlock (&c->tree_lock);
       if ((r = btree_load_evicted (c, &need)) < 0)
         return r;
       continue;
     }
-    if (how == JOURNAL_IF_PERSISTENT) {
+    if ((expect && !btree_range_matches_locked (c, k, expect)) ||
+        (how == JOURNAL_NEVER &&
+         btree_range_dirty_locked (c, c->inode, ks, ke))) {
+      pthread_rwlock_unlock (&c->tree_lock);
+      return -EEXIST;
+    }
+    if (how != JOURNAL_NEVER) {
       /* Decided here, under the lock the insert holds: a checkpoint's
        * capture cannot come between the look and the insert. */
-      uint64_t leaf_seq;
-      journal = range_state_locked (c, ckey_start (k), ckey_end (k),
-                                    &leaf_seq) == RANGE_PERSISTENT ||
+      removes = range_state_locked (c, ks, ke, &rseq) == RANGE_PERSISTENT ||
                 alloc_gens_unpersisted (c);
-      if (leaf_seq > *seq)
-        *seq = leaf_seq;
+      if (how == JOURNAL_IF_PERSISTENT)
+        journal = removes;
+      if (d && how == JOURNAL_IF_PERSISTENT && rseq > d->seq)
+        d->seq = rseq;
+      if (d && how == JOURNAL_ALWAYS && (removes || journal_pending (c, rseq)))
+        d->ordered = true;
     }
     if (journal) {
       s = journal_add_key_locked (c, k);
@@ -165,10 +204,12 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
           return r;
         continue;
       }
-      if (s > *seq)
-        *seq = s;
+      if (d && s > d->seq)
+        d->seq = s;
     }
     r = btree_insert_locked (c, k, s);
+    if (r == 0 && s && removes)
+      btree_note_removal_locked (c, ckey_inode (k), ks, ke, s);
     pthread_rwlock_unlock (&c->tree_lock);
     return r;
   }
@@ -404,7 +445,7 @@ bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
     uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
     struct ckey k = range_piece (c, p, pe, s, true, m->check_ptr, false);
-    if ((r = insert_key (c, &k, JOURNAL_NEVER, NULL)) < 0)
+    if ((r = insert_key (c, &k, JOURNAL_NEVER, NULL, NULL)) < 0)
       return r;
   }
   return 0;
@@ -417,10 +458,10 @@ struct fill_chunk {
   uint64_t ptr;                 /* from alloc_sectors; 0 = not allocated */
 };
 
-/* The largest piece of a fill one allocation takes: a key's size, within
- * a bucket, in whole blocks. */
+/* The largest piece of data one allocation takes (a fill's chunk, a
+ * write's piece): a key's size, within a bucket, in whole blocks. */
 static uint64_t
-fill_chunk_sectors (const struct bcf_cache *c)
+data_chunk_sectors (const struct bcf_cache *c)
 {
   uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
                    : MAX_KEY_SECTORS;
@@ -456,7 +497,7 @@ void
 bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
                     const void *const *data, unsigned n, int *res)
 {
-  const uint64_t chunk = fill_chunk_sectors (c);
+  const uint64_t chunk = data_chunk_sectors (c);
   struct fill_chunk *ch = NULL;
   struct bcf_io_seg *segs = NULL;
   void **bounce = NULL;
@@ -605,26 +646,29 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
  * checkpoint can capture a key between the look and the whiteout.
  *
  * Durable: the caller's backing write must not start before every
- * whiteout that removed data a crash could bring back is durable — ours,
+ * insert that removed data a crash could bring back is durable — ours,
  * and any earlier one not yet written: an invalidation on the read path
- * (durable = false), or a concurrent writer's that is still waiting for
- * its journal write.  Such a whiteout leaves no key in the merged set, so
- * our look can see EMPTY or VOLATILE where it was; the leaf remembers it
- * in jseq (inherited through splits and merges), and we wait for that
- * entry too.  That is a wait only while the entry is not yet written, and
- * only for writers in the same leaf.
+ * (durable = false), a dirty write over cached data, or a concurrent
+ * writer's whiteout that is still waiting for its journal write.  Such a
+ * removal leaves no key in the merged set, so our look can see EMPTY or
+ * VOLATILE where it was; the leaf remembers it in removal_seq (inherited
+ * through splits and merges), and we wait for that entry too.  That is a
+ * wait only while the entry is not yet written, and only for writers in
+ * the same leaf.
  *
  * Where there is no key at all, and nothing unpersisted, there is nothing
  * for a whiteout to do: a miss whose check key goes in after our look is
  * ordered after our caller's tracker registration (request.c's protocol),
- * and a bcf_insert racing with us is a concurrent write of the same range,
- * in either order.  So a write to a range nobody cached costs no key in
- * the node's open set (written at the next checkpoint) and no insert. */
+ * and a write racing with us is a concurrent write of the same range,
+ * which the tracker orders.  So a write to a range nobody cached costs no
+ * key in the node's open set (written at the next checkpoint) and no
+ * insert. */
 int
 bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
                 bool durable)
 {
-  uint64_t s, e, seq = 0;
+  struct durability d = { 0 };
+  uint64_t s, e;
   enum range_state st;
   bool unpersisted;
   int r;
@@ -635,44 +679,62 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
   pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e, &seq);
+  st = range_state_locked (c, s, e, &d.seq);
   unpersisted = alloc_gens_unpersisted (c);
   pthread_rwlock_unlock (&c->tree_lock);
   if (st != RANGE_EMPTY || unpersisted)
     for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
       uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
       struct ckey w = range_piece (c, p, pe, s, false, 0, false);
-      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, &seq)) < 0)
+      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, NULL, &d)) < 0)
         return r;
     }
-  if (durable && seq)
-    return journal_flush_seq (c, seq);
+  if (durable && d.seq)
+    return journal_flush_seq (c, d.seq);
   return 0;
 }
 
 int
-bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
-            const void *data, bool dirty, bool durable)
+bcf_drop_hit (struct bcf_cache *c, const struct bcf_extent *e)
 {
-  uint64_t s, e, seq = 0;
-  uint64_t chunk = c->bucket_sectors < MAX_KEY_SECTORS ? c->bucket_sectors
-                   : MAX_KEY_SECTORS;
-  int r = 0;
+  uint64_t s, end;
+  struct ckey w, expect;
+  int r;
 
   if (c->opts.readonly)
     return -EROFS;
-  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
-    return r;
+  if (e->kind != BCF_EXTENT_HIT || e->dirty ||
+      (r = to_sectors (c, e->offset, e->len, &s, &end)) < 0)
+    return -EINVAL;
+  atomic_fetch_add (&c->stats.invalidates, 1);
+  w = range_piece (c, s, end, s, false, 0, false);
+  expect = ckey_make (c->inode, end, end - s, true,
+                      MAKE_PTR (PTR_GEN (e->ptr),
+                                e->dev_offset >> BCH_SECTOR_SHIFT,
+                                PTR_DEV (e->ptr)), false);
+  r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, &expect, NULL);
+  return r == -EEXIST ? 0 : r;
+}
+
+/* Write [s, e) of data (sectors; data holds the range from s) to new
+ * cache space and insert it, journalled, as one key per piece of at most
+ * data_chunk_sectors; the pieces' pointers go to ptrs (if not NULL).
+ * Raises *d.  Returns 0 or -errno (pieces already inserted stay). */
+static int
+write_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const void *data,
+              bool dirty, uint64_t *ptrs, struct durability *d)
+{
+  const uint64_t chunk = data_chunk_sectors (c);
+  unsigned i = 0;
+  int r = 0;
+
   if (c->failed)
-    r = -ENOSPC;
-  chunk = chunk / (c->block_bytes >> BCH_SECTOR_SHIFT) *
-          (c->block_bytes >> BCH_SECTOR_SHIFT);
-  for (uint64_t p = s; p < e && r == 0; p += chunk) {
+    return -ENOSPC;
+  for (uint64_t p = s; p < e && r == 0; p += chunk, i++) {
     uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
     struct ckey k;
 
-    r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr);
-    if (r < 0)
+    if ((r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr)) < 0)
       break;
     r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
                    (pe - p) << BCH_SECTOR_SHIFT,
@@ -681,10 +743,28 @@ bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
       atomic_fetch_add (&c->stats.device_errors, 1);
     else {
       k = range_piece (c, p, pe, p, true, ptr, dirty);
-      r = insert_key (c, &k, JOURNAL_ALWAYS, &seq);
+      r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, d);
+      if (r == 0 && ptrs)
+        ptrs[i] = ptr;
     }
     alloc_put (c, ptr);
   }
+  return r;
+}
+
+int
+bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
+            const void *data, bool dirty, bool durable)
+{
+  struct durability d = { 0 };
+  uint64_t s, e;
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  r = write_pieces (c, s, e, data, dirty, NULL, &d);
   if (r < 0) {
     /* Never leave older data cached than what the caller wrote. */
     int r2 = bcf_invalidate (c, offset, len, durable);
@@ -692,8 +772,206 @@ bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
   }
   atomic_fetch_add (&c->stats.inserts, 1);
   if (durable)
-    return journal_flush_seq (c, seq);
+    return journal_flush_seq (c, d.seq);
   return 0;
+}
+
+/* ---- dirty writes (DESIGN.md "Writes on dirty keys") ----------------------------- */
+
+/* The dirty key of piece i of w. */
+static struct ckey
+write_piece (const struct bcf_cache *c, const struct bcf_write *w,
+             unsigned i)
+{
+  const uint64_t chunk = data_chunk_sectors (c);
+  const uint64_t s = (w->offset >> BCH_SECTOR_SHIFT) + i * chunk;
+  const uint64_t e = (w->offset + w->len) >> BCH_SECTOR_SHIFT;
+  const uint64_t pe = s + chunk < e ? s + chunk : e;
+
+  return range_piece (c, s, pe, s, true, w->ptrs[i], true);
+}
+
+/* A write's data goes to the cache as dirty keys ("the cache holds data
+ * the backing store may not have yet"), journalled, before or alongside
+ * its backing write.  Why ordered matters: where the range held data a
+ * crash could bring back (a key a checkpoint captured or the journal
+ * holds, a stale key of a bucket whose new gen is not persisted, or a
+ * removal in the leaf whose entry is not durable yet: the same rule as
+ * bcf_invalidate), the dirty key must be durable before the backing
+ * write is issued: else a crash after the backing write lands brings the
+ * old key back, and the cache serves older data than the export (I2).
+ * Where nothing could come back, the two may run in parallel: after a
+ * crash either the dirty key survives (and recovery writes the same data
+ * back) or it does not (and nothing older is cached).  The decision is
+ * made per piece under the lock of its insert. */
+int
+bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                 const void *data, struct bcf_write *w)
+{
+  struct durability d = { 0 };
+  uint64_t s, e, chunk;
+  int r;
+
+  memset (w, 0, sizeof *w);
+  if (c->opts.readonly)
+    return -EROFS;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  chunk = data_chunk_sectors (c);
+  w->offset = offset;
+  w->len = len;
+  w->npieces = (unsigned) ((e - s + chunk - 1) / chunk);
+  w->ptrs = w->npieces <= BCF_WRITE_INLINE ? w->inline_ptrs
+            : calloc (w->npieces, sizeof *w->ptrs);
+  if (!w->ptrs)
+    return -ENOMEM;
+  r = write_pieces (c, s, e, data, true, w->ptrs, &d);
+  if (r < 0) {
+    /* What is in went in journalled: take it out the same way; the
+     * caller invalidates the whole range durably anyway. */
+    bcf_invalidate (c, offset, len, false);
+    bcf_write_release (w);
+    return r;
+  }
+  w->seq = d.seq;
+  w->ordered = d.ordered;
+  atomic_fetch_add (&c->stats.dirty_inserts, 1);
+  return 0;
+}
+
+int
+bcf_write_durable (struct bcf_cache *c, struct bcf_write *w)
+{
+  return w->ordered ? journal_flush_seq (c, w->seq) : 0;
+}
+
+int
+bcf_write_sync (struct bcf_cache *c, struct bcf_write *w)
+{
+  return journal_flush_seq (c, w->seq);
+}
+
+int64_t
+bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w)
+{
+  int64_t cleaned = 0;
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  for (unsigned i = 0; i < w->npieces && cleaned >= 0; i++) {
+    struct ckey k = write_piece (c, w, i);
+    int64_t n = btree_mark_clean_locked (c, &k);
+    cleaned = n < 0 ? n : cleaned + n;
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+  return cleaned < 0 ? cleaned : cleaned << BCH_SECTOR_SHIFT;
+}
+
+int
+bcf_write_undo (struct bcf_cache *c, struct bcf_write *w)
+{
+  /* The range is still the writer's (the tracker orders every other
+   * write after it, misses never lay check keys over dirty data), so
+   * what is there is our dirty data: an invalidation takes it out, and
+   * since it is journalled, so is the whiteout, durable before the
+   * caller reports the failure. */
+  return bcf_invalidate (c, w->offset, w->len, true);
+}
+
+void
+bcf_write_release (struct bcf_write *w)
+{
+  if (w->ptrs && w->ptrs != w->inline_ptrs)
+    free (w->ptrs);
+  w->ptrs = NULL;
+}
+
+/* ---- dirty data ------------------------------------------------------------------- */
+
+/* The dirty key an extent from bcf_dirty_scan describes. */
+static struct ckey
+dirty_key_of (const struct bcf_cache *c, const struct bcf_extent *e)
+{
+  uint64_t s = e->offset >> BCH_SECTOR_SHIFT;
+  uint64_t end = (e->offset + e->len) >> BCH_SECTOR_SHIFT;
+
+  return ckey_make (c->inode, end, end - s, true, e->ptr, true);
+}
+
+int
+bcf_dirty_scan (struct bcf_cache *c, uint64_t offset, struct bcf_extent *out,
+                unsigned max, unsigned *n)
+{
+  const uint64_t inode = c->inode;
+  uint64_t pos = offset >> BCH_SECTOR_SHIFT;
+  const uint64_t end = c->backing_sectors;
+
+  *n = 0;
+  pthread_rwlock_rdlock (&c->tree_lock);
+  while (pos < end && *n < max && btree_dirty_sectors (c)) {
+    struct btree_node *leaf = btree_find_leaf (c, inode, pos + 1);
+    uint64_t leaf_end;
+
+    if (!leaf) {
+      pthread_rwlock_unlock (&c->tree_lock);
+      return -EIO;
+    }
+    leaf_end = ckey_inode (&leaf->key) == inode ? ckey_end (&leaf->key) : end;
+    /* An evicted leaf holds no dirty key (those are never evicted). */
+    if (!leaf->evicted && leaf->keys.ndirty) {
+      const struct keyset *ks = &leaf->keys;
+      for (size_t i = keyset_search (ks, inode, pos); i < ks->nr && *n < max;
+           i++) {
+        const struct ckey *k = &ks->k[i];
+        uint64_t s;
+
+        if (ckey_inode (k) != inode)
+          break;
+        if (!ckey_dirty (k) || ptr_stale (c, k->ptr))
+          continue;
+        s = ckey_start (k) > pos ? ckey_start (k) : pos;
+        out[(*n)++] = (struct bcf_extent) {
+          .kind = BCF_EXTENT_HIT, .dirty = true,
+          .offset = s << BCH_SECTOR_SHIFT,
+          .len = (ckey_end (k) - s) << BCH_SECTOR_SHIFT,
+          .dev_offset = (PTR_OFFSET (k->ptr) + (s - ckey_start (k)))
+                        << BCH_SECTOR_SHIFT,
+          .ptr = MAKE_PTR (PTR_GEN (k->ptr),
+                           PTR_OFFSET (k->ptr) + (s - ckey_start (k)),
+                           PTR_DEV (k->ptr)),
+        };
+        pos = ckey_end (k);
+      }
+      if (*n == max)
+        break;
+    }
+    pos = leaf_end;
+  }
+  pthread_rwlock_unlock (&c->tree_lock);
+  return 0;
+}
+
+bool
+bcf_dirty_still (struct bcf_cache *c, const struct bcf_extent *e)
+{
+  struct ckey k = dirty_key_of (c, e);
+  bool still;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  still = btree_range_matches_locked (c, &k, &k);
+  pthread_rwlock_unlock (&c->tree_lock);
+  return still;
+}
+
+int64_t
+bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e)
+{
+  struct ckey k = dirty_key_of (c, e);
+  int64_t n;
+
+  pthread_rwlock_wrlock (&c->tree_lock);
+  n = btree_mark_clean_locked (c, &k);
+  pthread_rwlock_unlock (&c->tree_lock);
+  return n < 0 ? n : n << BCH_SECTOR_SHIFT;
 }
 
 int

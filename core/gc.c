@@ -41,6 +41,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -165,6 +166,20 @@ gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
     }
     note_gen (p, b, PTR_GEN (k->ptr));
     if (ptr_stale (c, k->ptr)) {
+      /* A bucket holding a key that is dirty in memory is never
+       * invalidated (its mark stays dirty until a pass sees every key in
+       * it clean), so a stale dirty key can only be one that a journal
+       * replay brought back after its data was written back and marked
+       * clean (clean marks are not journalled) and its bucket reused:
+       * nothing is lost by dropping it. */
+      if (ckey_dirty (k)) {
+        bcf_log (c, BCF_LOG_DEBUG, "GC: dropping dirty extent [%" PRIu64
+                 ", +%" PRIu64 ") of a reused bucket %" PRIu64 " (written "
+                 "back before a crash lost its clean mark)",
+                 ckey_start (k), ckey_size (k), b);
+        __atomic_sub_fetch (&c->tree.dirty_sectors, ckey_size (k),
+                            __ATOMIC_RELAXED);
+      }
       struct ckey w = ckey_make (ckey_inode (k), ckey_end (k), ckey_size (k),
                                  false, 0, false);
       int r = keyset_insert (&n->open, &w);

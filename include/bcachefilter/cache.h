@@ -131,6 +131,8 @@ const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
 const char *bcf_cache_io_name (const struct bcf_cache *c);
 bool bcf_cache_io_direct (const struct bcf_cache *c);
 uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
+/* Bytes of dirty data the cache holds (a counter: no walk). */
+uint64_t bcf_cache_dirty_bytes (struct bcf_cache *c);
 /* Has the cache device changed under us: become shorter than at open,
  * or (a file) lost much of its allocated space, as a truncate that later
  * writes grow back with holes does?  Holes read as zeros, not errors, so
@@ -221,6 +223,75 @@ int bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
 int bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
                 const void *data, bool dirty, bool durable);
 
+/* A read of hit e failed on the device: drop e from the cache, only if
+ * it is still there as it was (a clean key; never a newer write's data),
+ * journalled wherever a crash could bring it back.  Returns 0 or -errno. */
+int bcf_drop_hit (struct bcf_cache *c, const struct bcf_extent *e);
+
+/* Writes on dirty keys (DESIGN.md "Writes on dirty keys").  A write's
+ * data goes into the cache as dirty keys, journalled, and is marked clean
+ * once the backing store has it:
+ *
+ *   bcf_write_begin       data to new cache space, dirty keys inserted
+ *   bcf_write_durable     if w->ordered: wait until the keys are on the
+ *                         journal; the backing write must not be issued
+ *                         before (otherwise it may run in parallel)
+ *   ... the backing write ...
+ *   bcf_write_undo        the backing write failed: remove the dirty keys
+ *                         durably (the client is told it failed: no dirty
+ *                         key may survive to be written back later); call
+ *                         it while the write still holds its turn in the
+ *                         in-flight write tracker
+ *   bcf_write_mark_clean  the backing store has it: what is still ours
+ *                         becomes clean (compare-and-swap against the
+ *                         exact keys; not journalled)
+ *   bcf_write_release     free w
+ *
+ * Offsets and lengths in bytes, whole blocks. */
+#define BCF_WRITE_INLINE 4
+struct bcf_write {
+  uint64_t offset, len;
+  uint64_t seq;               /* the journal entry holding the keys */
+  bool ordered;               /* the range may hold data a crash could
+                                 bring back: durable before the backing
+                                 write */
+  unsigned npieces;           /* keys: one per allocation */
+  uint64_t *ptrs;             /* their pointers */
+  uint64_t inline_ptrs[BCF_WRITE_INLINE];
+};
+
+/* Returns 0; or -ENOSPC (no room now), -errno (device error): then
+ * nothing of the write is cached and the caller invalidates the range
+ * as for a write that bypasses the cache. */
+int bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                     const void *data, struct bcf_write *w);
+int bcf_write_durable (struct bcf_cache *c, struct bcf_write *w);
+/* Wait until the keys are on the journal whatever w->ordered says (FUA:
+ * a write that must survive a crash once acknowledged). */
+int bcf_write_sync (struct bcf_cache *c, struct bcf_write *w);
+int bcf_write_undo (struct bcf_cache *c, struct bcf_write *w);
+/* Returns the bytes marked clean (fewer than w->len if newer writes
+ * replaced part of it), or -errno. */
+int64_t bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w);
+void bcf_write_release (struct bcf_write *w);
+
+/* ---- Dirty data (writeback) ---------------------------------------------- */
+
+/* The dirty extents at or after offset, in key order: out[] gets up to
+ * max of them (kind HIT, dirty), *n how many; continue from the end of
+ * the last one.  Cheap over clean parts of the tree (leaves without
+ * dirty keys are skipped whole).  Returns 0 or -errno. */
+int bcf_dirty_scan (struct bcf_cache *c, uint64_t offset,
+                    struct bcf_extent *out, unsigned max, unsigned *n);
+/* Is dirty extent e (from bcf_dirty_scan) still in the cache, whole and
+ * dirty, as it was? */
+bool bcf_dirty_still (struct bcf_cache *c, const struct bcf_extent *e);
+/* The backing store has e's data, durably: mark e clean where it still
+ * is (pieces a newer write replaced stay as they are).  Not journalled: a
+ * crash that loses it writes the same data back again.  Returns the bytes
+ * marked clean, or -errno. */
+int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
+
 /* Make every insert and invalidation returned so far durable (FLUSH). */
 int bcf_flush (struct bcf_cache *c);
 
@@ -253,6 +324,7 @@ struct bcf_cache_stats {
   uint64_t journal_seq, journal_last_seq, journal_writes;
   uint64_t miss_collisions, read_races;   /* hits and misses: stats.h */
   uint64_t inserts;              /* data inserted: fills, bcf_insert */
+  uint64_t dirty_inserts;        /* writes inserted as dirty keys */
   uint64_t invalidates;          /* bcf_invalidate calls */
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

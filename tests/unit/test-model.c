@@ -38,9 +38,23 @@
  * iff every block of it still carries the stamp of its bcf_miss_begin,
  * and bcf_miss_fill must return -EEXIST iff a piece collided.
  *
+ * Dirty keys: bcf_insert (dirty), and the writes of the request path
+ * (bcf_write_begin, then bcf_write_mark_clean, bcf_write_undo, or nothing
+ * yet); a check key is never laid over a dirty block (bcf_miss_begin
+ * fails with -EEXIST, and the model says when it must).  Each block
+ * keeps the dirty bit in memory and the one a crash would find: the last
+ * journalled insert's, or the last checkpoint's (clean marks are not
+ * journalled: a crash brings the key back dirty).
+ *
  * After a clean close and reopen the map must be unchanged: MUST blocks
  * still hit at the same pointer with the same bytes (persistence), NONE
  * blocks still miss (invalidations and check keys reached the disk).
+ * Crash episodes: a checkpoint, then only durable journalled operations
+ * (durable inserts, dirty writes made durable with bcf_write_sync and
+ * perhaps marked clean, durable invalidations) and lookups, then a power
+ * cut that loses every unflushed write (bcf_cache_test_crash) and an
+ * open: the map must be the checkpoint's plus those operations, with
+ * every block marked clean since the checkpoint dirty again.
  * The whole key space is verified after each reopen and every 20000
  * operations.
  *
@@ -101,7 +115,9 @@ enum { S_NONE = 0, S_MAY, S_MUST };
 struct blk {
   uint32_t ver;               /* data last given for the block (0: none) */
   uint8_t st;                 /* S_* */
-  bool dirty;                 /* the last insert was dirty */
+  bool dirty;                 /* the last insert was dirty (not marked
+                                 clean since) */
+  bool dirty_disk;            /* ... as a crash would find it */
   uint64_t ptr;               /* S_MUST: pointer of the block's first sector */
   uint64_t stamp;             /* last operation that wrote a key over it */
 };
@@ -124,6 +140,7 @@ struct config {
 };
 
 struct counts {
+  uint64_t dirty_writes, marked_clean, undone, dirty_refusals, crashes;
   uint64_t inserts, dirty_inserts, enospc, invalidates, begins, fills,
            fill_ok, collisions, cancels, lookups, hits, hit_blocks,
            reads, flushes, checkpoints, gc, reopens, verifies, reclaimed,
@@ -368,9 +385,36 @@ settle (struct model *m, uint64_t blk, uint64_t nb, bool reclaimed)
 
 /* ---- operations -------------------------------------------------------------- */
 
+/* The engine's checkpoints so far (it also runs them by itself, when the
+ * journal fills up). */
+static uint64_t
+checkpoints (struct model *m)
+{
+  struct bcf_cache_stats st;
+
+  bcf_cache_stats (m->c, &st);
+  return st.checkpoint.count;
+}
+
+/* A checkpoint since *seen captured the map as it is now: that is what
+ * a crash finds (before the blocks of the operation that ran it are
+ * updated: their journalled state comes after the checkpoint). */
+static void
+note_checkpoints (struct model *m, uint64_t *seen)
+{
+  uint64_t now = checkpoints (m);
+
+  if (now == *seen)
+    return;
+  *seen = now;
+  for (uint64_t x = 0; x < m->nblocks; x++)
+    m->b[x].dirty_disk = m->b[x].dirty;
+}
+
+/* seen (if not NULL): note_checkpoints, in a crash episode. */
 static void
 op_insert (struct model *m, uint64_t blk, uint64_t nb, bool dirty,
-           bool durable)
+           bool durable, uint64_t *seen)
 {
   uint64_t stamp = ++m->stamp;
   bool moved;
@@ -381,6 +425,8 @@ op_insert (struct model *m, uint64_t blk, uint64_t nb, bool dirty,
                (uint32_t) (m->ver + 1 + k));
   r = bcf_insert (m->c, blk * m->block, nb * m->block, m->buf, dirty,
                   durable);
+  if (seen)
+    note_checkpoints (m, seen);
   REQUIRE (r == 0 || r == -ENOSPC, "seed %u op %" PRIu64
                  ": bcf_insert: %s", seed, m->op, strerror (-r));
   m->n.inserts++;
@@ -390,7 +436,7 @@ op_insert (struct model *m, uint64_t blk, uint64_t nb, bool dirty,
     struct blk *b = &m->b[blk + k];
     b->ver = (uint32_t) (m->ver + 1 + k);
     b->stamp = stamp;
-    b->dirty = dirty && r == 0;
+    b->dirty = b->dirty_disk = dirty && r == 0;
     /* MAY until the lookup below tells the pointer. */
     b->st = r == 0 ? S_MAY : S_NONE;
   }
@@ -410,30 +456,123 @@ op_insert (struct model *m, uint64_t blk, uint64_t nb, bool dirty,
 }
 
 static void
-op_invalidate (struct model *m, uint64_t blk, uint64_t nb, bool durable)
+op_invalidate (struct model *m, uint64_t blk, uint64_t nb, bool durable,
+               uint64_t *seen)
 {
   uint64_t stamp = ++m->stamp;
   int r = bcf_invalidate (m->c, blk * m->block, nb * m->block, durable);
 
+  if (seen)
+    note_checkpoints (m, seen);
   REQUIRE (r == 0, "seed %u op %" PRIu64 ": bcf_invalidate: %s", seed,
                  m->op, strerror (-r));
   m->n.invalidates++;
   sweep_gens (m);
   for (uint64_t k = 0; k < nb; k++) {
     m->b[blk + k].st = S_NONE;
-    m->b[blk + k].dirty = false;
+    m->b[blk + k].dirty = m->b[blk + k].dirty_disk = false;
     m->b[blk + k].stamp = stamp;
   }
+}
+
+/* A write of the request path: data in as dirty keys, then, as the
+ * backing write succeeded or failed, marked clean or undone, or left
+ * dirty (in flight, or writeback mode).  With sync, the keys are made
+ * durable (a crash episode). */
+static void
+op_dirty_write (struct model *m, uint64_t blk, uint64_t nb, bool sync,
+                uint64_t *seen)
+{
+  uint64_t stamp = ++m->stamp, what = rnd_below (10);
+  struct bcf_write w;
+  bool moved;
+  int r;
+
+  for (uint64_t k = 0; k < nb; k++)
+    gen_block (m->buf + k * m->block, m->block, blk + k,
+               (uint32_t) (m->ver + 1 + k));
+  r = bcf_write_begin (m->c, blk * m->block, nb * m->block, m->buf, &w);
+  if (seen)
+    note_checkpoints (m, seen);
+  REQUIRE (r == 0 || r == -ENOSPC, "seed %u op %" PRIu64
+           ": bcf_write_begin: %s", seed, m->op, strerror (-r));
+  m->n.dirty_writes++;
+  moved = sweep_gens (m);
+  for (uint64_t k = 0; k < nb; k++) {
+    struct blk *b = &m->b[blk + k];
+    b->ver = (uint32_t) (m->ver + 1 + k);
+    b->stamp = stamp;
+    b->dirty = b->dirty_disk = r == 0;
+    b->st = r == 0 ? S_MAY : S_NONE;
+  }
+  m->ver += nb;
+  if (r == -ENOSPC) {
+    m->n.enospc++;
+    REQUIRE_OK (bcf_gc_run (m->c));
+    sweep_gens (m);
+    return;
+  }
+  if (sync) {
+    REQUIRE_OK (bcf_write_sync (m->c, &w));
+    if (seen)
+      note_checkpoints (m, seen);
+  }
+  lookup_check (m, blk, nb, false);
+  if (!moved)
+    for (uint64_t k = 0; k < nb; k++)
+      REQUIRE (m->b[blk + k].st == S_MUST, "seed %u case %s op %"
+               PRIu64 ": block %" PRIu64 " is not cached right after its "
+               "dirty write", seed, m->cfg->name, m->op, blk + k);
+  if (what < 7) {                       /* the backing write succeeded */
+    int64_t clean = bcf_write_mark_clean (m->c, &w);
+    REQUIRE (clean == (int64_t) (nb * m->block), "seed %u op %" PRIu64
+             ": bcf_write_mark_clean cleaned %" PRId64 " of %" PRIu64
+             " bytes", seed, m->op, clean, nb * m->block);
+    for (uint64_t k = 0; k < nb; k++)
+      m->b[blk + k].dirty = false;      /* on disk: still dirty */
+    m->n.marked_clean++;
+  }
+  else if (what < 8) {                  /* ... failed */
+    REQUIRE_OK (bcf_write_undo (m->c, &w));
+    if (seen)
+      note_checkpoints (m, seen);
+    sweep_gens (m);
+    for (uint64_t k = 0; k < nb; k++) {
+      struct blk *b = &m->b[blk + k];
+      b->st = S_NONE;
+      b->dirty = b->dirty_disk = false;
+      b->stamp = ++m->stamp;
+    }
+    m->n.undone++;
+  }
+  bcf_write_release (&w);
+  lookup_check (m, blk, nb, false);
+}
+
+static bool
+range_dirty (const struct model *m, uint64_t blk, uint64_t nb)
+{
+  for (uint64_t k = 0; k < nb; k++)
+    if (m->b[blk + k].dirty)
+      return true;
+  return false;
 }
 
 static void
 op_begin (struct model *m, struct pending *p, uint64_t blk, uint64_t nb)
 {
   uint64_t stamp = ++m->stamp;
+  bool dirty = range_dirty (m, blk, nb);
   int r = bcf_miss_begin (m->c, blk * m->block, nb * m->block, &p->m);
 
-  REQUIRE (r == 0, "seed %u op %" PRIu64 ": bcf_miss_begin: %s", seed,
-                 m->op, strerror (-r));
+  REQUIRE (r == (dirty ? -EEXIST : 0), "seed %u op %" PRIu64
+           ": bcf_miss_begin over %s blocks: %s", seed, m->op,
+           dirty ? "dirty" : "clean", r ? strerror (-r) : "success");
+  if (dirty) {                  /* never over dirty data: nothing changed */
+    m->n.dirty_refusals++;
+    lookup_check (m, blk, nb, false);
+    return;
+  }
   m->n.begins++;
   sweep_gens (m);
   p->active = true;
@@ -443,7 +582,7 @@ op_begin (struct model *m, struct pending *p, uint64_t blk, uint64_t nb)
   /* The check key replaces whatever was cached there. */
   for (uint64_t k = 0; k < nb; k++) {
     m->b[blk + k].st = S_NONE;
-    m->b[blk + k].dirty = false;
+    m->b[blk + k].dirty = m->b[blk + k].dirty_disk = false;
     m->b[blk + k].stamp = stamp;
   }
 }
@@ -550,6 +689,55 @@ finish_misses (struct model *m)
     }
 }
 
+/* A crash episode (see the header comment). */
+static void
+op_crash_episode (struct model *m)
+{
+  struct bcf_io_faults armed = { 0 };
+  unsigned n = 5 + (unsigned) rnd_below (40);
+  uint64_t seen;
+
+  finish_misses (m);
+  REQUIRE_OK (bcf_cache_checkpoint (m->c));
+  sweep_gens (m);
+  seen = checkpoints (m);
+  for (uint64_t x = 0; x < m->nblocks; x++)
+    m->b[x].dirty_disk = m->b[x].dirty;
+  /* From here the device has a volatile write cache (io.h). */
+  bcf_io_set_faults (bcf_cache_test_io (m->c), &armed);
+  for (unsigned i = 0; i < n; i++) {
+    uint64_t nb = 1 + rnd_below (4);
+    uint64_t what = rnd_below (10);
+    uint64_t blk = rnd_below (m->nblocks - nb + 1);
+
+    if (m->cfg->dirty_blocks && what < 4) {
+      blk = rnd_below (m->cfg->dirty_blocks - nb + 1);
+      if (what < 2)
+        op_dirty_write (m, blk, nb, true, &seen);
+      else
+        op_insert (m, blk, nb, true, true, &seen);
+    }
+    else if (what < 6)
+      op_insert (m, blk, nb, false, true, &seen);
+    else if (what < 7)
+      op_invalidate (m, blk, nb, true, &seen);
+    else
+      lookup_check (m, blk, nb, rnd_below (2));
+  }
+  add_stats (m);
+  bcf_cache_test_crash (m->c, seed + m->op, BCF_IO_CRASH_LOSE_ALL);
+  m->c = NULL;
+  m->n.crashes++;
+  model_open (m, false);
+  for (uint64_t x = 0; x < m->nblocks; x++)
+    if (m->b[x].st != S_NONE)
+      m->b[x].dirty = m->b[x].dirty_disk;
+  for (uint64_t i = 0; i < m->c->alloc.nbuckets; i++)
+    m->gens[i] = m->c->alloc.buckets[i].gen;
+  verify_all (m);
+  REQUIRE_OK (bcf_cache_fsck (m->c, NULL, 0));
+}
+
 static void
 op_reopen (struct model *m)
 {
@@ -621,15 +809,20 @@ model_run (const struct config *cfg)
       if (dirty) {
         nb = 1 + rnd_below (4);
         blk = rnd_below (cfg->dirty_blocks - nb + 1);
+        if (rnd_below (2))                      /* the request path's */
+          op_dirty_write (&m, blk, nb, rnd_below (10) == 0, NULL);
+        else
+          op_insert (&m, blk, nb, true, rnd_below (50) == 0, NULL);
       }
-      op_insert (&m, blk, nb, dirty, rnd_below (50) == 0);
+      else
+        op_insert (&m, blk, nb, false, rnd_below (50) == 0, NULL);
     }
     else if (what < 4000) {                     /* 10%: invalidate */
       if (rnd_below (20) == 0) {                /* a large range */
         nb = 1 + rnd_below (m.nblocks / 4);
         blk = rnd_below (m.nblocks - nb + 1);
       }
-      op_invalidate (&m, blk, nb, rnd_below (20) == 0);
+      op_invalidate (&m, blk, nb, rnd_below (20) == 0, NULL);
     }
     else if (what < 5800) {                     /* 18%: the miss protocol */
       struct pending *p = &m.miss[rnd_below (MAX_MISSES)];
@@ -660,6 +853,8 @@ model_run (const struct config *cfg)
 
     if (m.op % reopen_every == reopen_every - 1)
       op_reopen (&m);
+    else if (m.op % reopen_every == reopen_every / 2)
+      op_crash_episode (&m);
     else if (m.op % 20000 == 19999)
       verify_all (&m);
   }
@@ -679,6 +874,10 @@ model_run (const struct config *cfg)
           m.n.enospc, m.n.invalidates, m.n.begins, m.n.fill_ok,
           m.n.collisions, m.n.cancels, m.n.lookups, m.n.hits, m.n.hit_blocks,
           m.n.reads, m.n.flushes, m.n.reopens, m.n.verifies);
+  printf ("test-model: %s: %" PRIu64 " dirty writes (%" PRIu64 " marked "
+          "clean, %" PRIu64 " undone), %" PRIu64 " misses refused over dirty "
+          "data, %" PRIu64 " crash episodes\n", cfg->name, m.n.dirty_writes,
+          m.n.marked_clean, m.n.undone, m.n.dirty_refusals, m.n.crashes);
   printf ("test-model: %s: engine: %" PRIu64 " blocks reclaimed, %" PRIu64
           " splits, %" PRIu64 " coalesced, %" PRIu64 " checkpoints, %" PRIu64
           " journal writes, %" PRIu64 " GC passes, %" PRIu64 " node "
@@ -697,6 +896,12 @@ model_run (const struct config *cfg)
     ck_assert_uint_gt (m.n.max_depth, 1);
     if (cfg->small_node_cache)
       ck_assert_uint_gt (m.n.node_loads, 0);
+    ck_assert_uint_gt (m.n.crashes, 0);
+    if (cfg->dirty_blocks) {
+      ck_assert_uint_gt (m.n.marked_clean, 0);
+      ck_assert_uint_gt (m.n.undone, 0);
+      ck_assert_uint_gt (m.n.dirty_refusals, 0);
+    }
   }
 
   bcf_cache_close (m.c);
