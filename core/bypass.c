@@ -12,35 +12,42 @@
  * kept to min (BYPASS_RESERVE, npages - live pages), so it is empty when
  * every page is live).  bcf_bypass_get_mem reports the figures.
  *
- * The word.  Low COUNT_BITS (12) bits: the number of writes registered
- * in the chunk; high EPOCH_BITS (20) bits: an epoch that every
- * registration in the chunk advances (mod 2^20).  A token remembers the
- * word its registration produced; bcf_bypass_alone is "word unchanged and
- * its count was 1".  Nothing but a registration changes the epoch and
- * nothing but this writer's end can bring the count back to the recorded
- * value without changing the epoch, so an unchanged word means nobody
- * registered since (unless exactly a multiple of 2^20 registrations came
- * and went in between, which we accept).  The page of a registered
- * chunk cannot leave the table while the registration lives, so the
- * epoch is never lost under a token.  A chunk already holding COUNT_MAX
- * writes makes begin wait (condvar) for an end rather than overflow.
+ * The word: the number of writes registered in the chunk (32 bits; a
+ * chunk would need 2^32 writes in flight at once to overflow).
  *
- * Locking.  begin, end, alone and get_mem serialise on t->lock; all
- * changes to the table and the words happen under it (made with atomic
- * stores, because busy reads them without the lock).  begin is
- * all-or-nothing: under the lock it first waits until no chunk of the
- * range is full and it holds every page the range lacks, then links the
+ * The exact ranges: every token is linked, in registration order, into
+ * a list under t->lock (prev/next live in the token, on the writer's
+ * stack), with its byte range, its seq and its done flag.
+ *
+ * Locking.  begin, wait_turn, done, end, get_mem and busy's exact check
+ * serialise on t->lock; all changes to the table and the words happen
+ * under it (made with atomic stores, because busy's fast path reads them
+ * without the lock).  begin is all-or-nothing for the counters: under
+ * the lock it first holds every page the range lacks, then links the
  * pages and increments the words without dropping the lock, so a waiting
- * begin never holds a partial registration (no deadlock between
- * waiters).  Pages come from, in order: the retired list, malloc, the
- * reserve (counted in reserve_uses); reserve pages that could never be
- * needed (live + reserve = npages) are used first.  If all fail, begin
- * unlinks the (still empty) pages it linked and waits on t->cond (woken
- * by every end, and every 10 ms to retry malloc).  It never fails and
- * never skips tracking.
- * Unlinked pages refill the reserve first; the rest are retired.
+ * begin never holds a partial registration.  Pages come from, in order:
+ * the retired list, malloc, the reserve (counted in reserve_uses);
+ * reserve pages that could never be needed (live + reserve = npages) are
+ * used first.  If all fail, begin unlinks the (still empty) pages it
+ * linked and waits on t->cond (woken by every end, and every 10 ms to
+ * retry malloc).  It never fails and never skips tracking.  Unlinked
+ * pages refill the reserve first; the rest are retired.
  *
- * busy() is lock-free.  The guarantee it gives: if W does begin() and
+ * wait_turn waits on t->order (broadcast by done and end) while an
+ * earlier token in the list overlaps its range and is not done.  The
+ * list is in registration order, so "earlier" is "before it in the
+ * list", and a token only ever waits for tokens before it: waits form no
+ * cycle.
+ *
+ * busy's exact check: a miss whose chunks have a non-zero count takes
+ * t->lock and looks for a token whose byte range overlaps.  Every token
+ * whose increment the fast path saw is in the list by then: the token is
+ * linked in the same critical section as its increment, and the reader's
+ * load of the increment happens after that section began, so its
+ * acquisition of t->lock comes after the registering thread's release.
+ *
+ * busy()'s fast path is lock-free.  The guarantee it gives: if W does
+ * begin() and
  * then releases a mutex M, and R later acquires M and calls busy(), R
  * sees W's registration (unless W ended meanwhile).  Argument: W's store
  * of the page pointer (if W linked the page) and W's store to the word
@@ -83,7 +90,9 @@
  * anyway: malloc is only called when the retired list is empty and
  * live + reserve <= npages always holds, so live + reserve + retired
  * never exceeds npages.  A read-miss pays two atomic
- * RMWs on a shared counter, next to a backing read of about 1 ms.
+ * RMWs on a shared counter, next to a backing read of about 1 ms, and
+ * in a chunk where a write is in flight, one lock and a walk of the
+ * writes in flight (a few dozen at the queue depths NBD clients use).
  */
 #include "config.h"
 
@@ -101,9 +110,6 @@
 #define PAGE_WORDS    1024
 #define PAGE_SHIFT    10              /* log2 (PAGE_WORDS) */
 #define PAGE_BYTES    (PAGE_WORDS * sizeof (uint32_t))
-#define COUNT_BITS    12
-#define COUNT_MASK    ((UINT32_C (1) << COUNT_BITS) - 1)
-#define COUNT_MAX     COUNT_MASK      /* writes one chunk can hold */
 #define BYPASS_RESERVE 4
 #define RETRY_NS      (10 * 1000 * 1000)
 
@@ -122,8 +128,14 @@ struct bcf_bypass {
   atomic_bool disabled;             /* tests: busy() says false */
 
   pthread_mutex_t lock;             /* everything below */
-  pthread_cond_t cond;              /* an end happened */
+  pthread_cond_t cond;              /* an end happened (pages) */
+  pthread_cond_t order;             /* a done or an end happened */
   unsigned waiters;
+  /* The exact ranges, oldest first. */
+  struct bcf_bypass_token *head, *tail;
+  uint64_t next_seq;
+  atomic_bool no_ordering;          /* tests: wait_turn returns at once */
+  uint64_t in_flight_peak, exact_checks, waits, wait_ns, wait_max_ns;
   struct page *reserve[BYPASS_RESERVE];
   uint64_t nreserve;
   struct page *retired;             /* linked through w[0], w[1] */
@@ -261,7 +273,7 @@ page_maybe_unlink (struct bcf_bypass *t, uint64_t pg)
   struct page *p = atomic_load_explicit (&t->table[pg], memory_order_relaxed);
 
   for (unsigned i = 0; i < PAGE_WORDS; i++)
-    if (atomic_load_explicit (&p->w[i], memory_order_relaxed) & COUNT_MASK)
+    if (atomic_load_explicit (&p->w[i], memory_order_relaxed))
       return;
   atomic_store_explicit (&t->table[pg], NULL, memory_order_seq_cst);
   t->live--;
@@ -325,6 +337,8 @@ bcf_bypass_new (uint64_t size)
   atomic_init (&t->disabled, false);
   pthread_mutex_init (&t->lock, NULL);
   bcf_cond_init_monotonic (&t->cond);
+  pthread_cond_init (&t->order, NULL);
+  atomic_init (&t->no_ordering, false);
   reserve_adjust (t);
   note_peak (t);
   return t;
@@ -345,6 +359,7 @@ bcf_bypass_free (struct bcf_bypass *t)
     free (p);
   free (t->table);
   pthread_cond_destroy (&t->cond);
+  pthread_cond_destroy (&t->order);
   pthread_mutex_destroy (&t->lock);
   free (t);
 }
@@ -357,25 +372,6 @@ wait_a_bit (struct bcf_bypass *t)
   t->waiters++;
   pthread_cond_timedwait (&t->cond, &t->lock, &ts);
   t->waiters--;
-}
-
-/* Under the lock: is any chunk of the range full?  Missing pages count
- * as empty. */
-static bool
-range_full (struct bcf_bypass *t, uint64_t first, uint64_t n)
-{
-  for (uint64_t c = first; c < first + n; c++) {
-    struct page *p = atomic_load_explicit (&t->table[c >> PAGE_SHIFT],
-                                           memory_order_relaxed);
-    if (p == NULL) {
-      c |= PAGE_WORDS - 1;              /* skip the page */
-      continue;
-    }
-    if ((atomic_load_explicit (&p->w[c & (PAGE_WORDS - 1)],
-                               memory_order_relaxed) & COUNT_MASK) == COUNT_MAX)
-      return true;
-  }
-  return false;
 }
 
 /* Under the lock: link a page into every page slot of the range that
@@ -406,6 +402,43 @@ range_pages (struct bcf_bypass *t, uint64_t first, uint64_t n)
   return true;
 }
 
+/* Link tok at the tail of the in-flight list.  Under the lock. */
+static void
+list_add (struct bcf_bypass *t, struct bcf_bypass_token *tok)
+{
+  tok->seq = ++t->next_seq;
+  tok->done = false;
+  tok->next = NULL;
+  tok->prev = t->tail;
+  if (t->tail)
+    t->tail->next = tok;
+  else
+    t->head = tok;
+  t->tail = tok;
+}
+
+static void
+list_del (struct bcf_bypass *t, struct bcf_bypass_token *tok)
+{
+  if (tok->prev)
+    tok->prev->next = tok->next;
+  else
+    t->head = tok->next;
+  if (tok->next)
+    tok->next->prev = tok->prev;
+  else
+    t->tail = tok->prev;
+  tok->prev = tok->next = NULL;
+}
+
+/* Does tok's range overlap [start, end)?  Empty ranges overlap nothing. */
+static bool
+overlaps (const struct bcf_bypass_token *tok, uint64_t start, uint64_t end)
+{
+  return tok->start < tok->end && start < end &&
+         tok->start < end && start < tok->end;
+}
+
 void
 bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
                   struct bcf_bypass_token *tok)
@@ -415,35 +448,33 @@ bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
   chunk_range (t, offset, len, &first, &n);
   tok->first = first;
   tok->nchunks = n;
-  memset (tok->word, 0, sizeof tok->word);
+  tok->start = offset < t->size ? offset : t->size;
+  tok->end = len > t->size - tok->start ? t->size : tok->start + len;
 
   pthread_mutex_lock (&t->lock);
   t->in_flight++;
+  if (t->in_flight > t->in_flight_peak)
+    t->in_flight_peak = t->in_flight;
+  while (n > 0 && !range_pages (t, first, n)) {
+    /* Out of pages: let the retired ones go if possible, then wait for
+     * an end (or 10 ms, for malloc to work again).  Not in the list yet:
+     * a writer waiting for a page is not registered, so no later writer
+     * waits for it (which could wait for ever, if every page holder did). */
+    drain_retired (t);
+    wait_a_bit (t);
+  }
+  /* Registered: in the list and in the counters, in one critical
+   * section (busy's exact check relies on it). */
+  list_add (t, tok);
   if (n == 0) {
     pthread_mutex_unlock (&t->lock);
     return;
   }
-  for (;;) {
-    if (range_full (t, first, n)) {
-      wait_a_bit (t);
-      continue;
-    }
-    if (range_pages (t, first, n))
-      break;
-    /* Out of pages: let the retired ones go if possible, then wait for
-     * an end (or 10 ms, for malloc to work again). */
-    drain_retired (t);
-    wait_a_bit (t);
-  }
   for (uint64_t c = first; c < first + n; c++) {
     _Atomic uint32_t *w = word_of (t, c);
-    uint32_t old = atomic_load_explicit (w, memory_order_relaxed);
-    uint32_t nw = (((old >> COUNT_BITS) + 1) << COUNT_BITS) |
-      ((old & COUNT_MASK) + 1);
 
-    atomic_store_explicit (w, nw, memory_order_relaxed);
-    if (c - first < BCF_BYPASS_TOKEN_CHUNKS)
-      tok->word[c - first] = nw;
+    atomic_store_explicit (w, atomic_load_explicit (w, memory_order_relaxed)
+                           + 1, memory_order_relaxed);
   }
   reserve_adjust (t);
   drain_retired (t);
@@ -451,20 +482,66 @@ bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
   pthread_mutex_unlock (&t->lock);
 }
 
+/* An earlier overlapping write that is not done yet?  Under the lock. */
+static bool
+must_wait (const struct bcf_bypass_token *tok)
+{
+  for (const struct bcf_bypass_token *p = tok->prev; p; p = p->prev)
+    if (!p->done && overlaps (p, tok->start, tok->end))
+      return true;
+  return false;
+}
+
+uint64_t
+bcf_bypass_wait_turn (struct bcf_bypass *t, struct bcf_bypass_token *tok)
+{
+  uint64_t t0, waited;
+
+  if (atomic_load_explicit (&t->no_ordering, memory_order_relaxed))
+    return 0;
+  pthread_mutex_lock (&t->lock);
+  if (!must_wait (tok)) {
+    pthread_mutex_unlock (&t->lock);
+    return 0;
+  }
+  t0 = bcf_now_ns ();
+  do
+    pthread_cond_wait (&t->order, &t->lock);
+  while (must_wait (tok));
+  waited = bcf_now_ns () - t0;
+  t->waits++;
+  t->wait_ns += waited;
+  if (waited > t->wait_max_ns)
+    t->wait_max_ns = waited;
+  pthread_mutex_unlock (&t->lock);
+  return waited;
+}
+
 void
-bcf_bypass_end (struct bcf_bypass *t, const struct bcf_bypass_token *tok)
+bcf_bypass_done (struct bcf_bypass *t, struct bcf_bypass_token *tok)
+{
+  pthread_mutex_lock (&t->lock);
+  tok->done = true;
+  pthread_cond_broadcast (&t->order);
+  pthread_mutex_unlock (&t->lock);
+}
+
+void
+bcf_bypass_end (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 {
   uint64_t first = tok->first, n = tok->nchunks;
   bool page_emptied = false;
 
   pthread_mutex_lock (&t->lock);
   t->in_flight--;
+  list_del (t, tok);
+  pthread_cond_broadcast (&t->order);
   for (uint64_t c = first; c < first + n; c++) {
     _Atomic uint32_t *w = word_of (t, c);
     uint32_t old = atomic_load_explicit (w, memory_order_relaxed);
 
     atomic_store_explicit (w, old - 1, memory_order_relaxed);
-    if ((old & COUNT_MASK) == 1)
+    if (old == 1)
       page_emptied = true;
     /* At the last chunk of each page, unlink it if now empty. */
     if (page_emptied &&
@@ -480,6 +557,23 @@ bcf_bypass_end (struct bcf_bypass *t, const struct bcf_bypass_token *tok)
   if (t->waiters)
     pthread_cond_broadcast (&t->cond);
   pthread_mutex_unlock (&t->lock);
+}
+
+/* The exact check behind the counters: a token overlapping the range?
+ * Under no lock (takes it). */
+static bool
+exact_busy (struct bcf_bypass *t, uint64_t offset, uint64_t len)
+{
+  uint64_t start = offset, end = len > UINT64_MAX - offset ? UINT64_MAX
+                                                           : offset + len;
+  bool busy = false;
+
+  pthread_mutex_lock (&t->lock);
+  t->exact_checks++;
+  for (const struct bcf_bypass_token *p = t->head; p && !busy; p = p->next)
+    busy = overlaps (p, start, end);
+  pthread_mutex_unlock (&t->lock);
+  return busy;
 }
 
 bool
@@ -505,7 +599,7 @@ bcf_bypass_busy (struct bcf_bypass *t, uint64_t offset, uint64_t len)
     if (p != NULL) {
       for (; c < stop; c++)
         if (atomic_load_explicit (&p->w[c & (PAGE_WORDS - 1)],
-                                  memory_order_relaxed) & COUNT_MASK) {
+                                  memory_order_relaxed)) {
           busy = true;
           break;
         }
@@ -513,30 +607,8 @@ bcf_bypass_busy (struct bcf_bypass *t, uint64_t offset, uint64_t len)
     c = stop;
   }
   atomic_fetch_sub_explicit (&t->readers, 1, memory_order_seq_cst);
-  return busy;
-}
-
-bool
-bcf_bypass_alone (struct bcf_bypass *t, const struct bcf_bypass_token *tok)
-{
-  bool alone = true;
-
-  /* Nothing registered (empty range) or too much to remember: unsure. */
-  if (tok->nchunks == 0 || tok->nchunks > BCF_BYPASS_TOKEN_CHUNKS)
-    return false;
-  /* The token's own registration keeps its pages linked, so no grace
-   * period is needed; the lock orders us against begin/end. */
-  pthread_mutex_lock (&t->lock);
-  for (uint64_t i = 0; i < tok->nchunks; i++) {
-    uint32_t now = atomic_load_explicit (word_of (t, tok->first + i),
-                                         memory_order_relaxed);
-    if ((tok->word[i] & COUNT_MASK) != 1 || now != tok->word[i]) {
-      alone = false;
-      break;
-    }
-  }
-  pthread_mutex_unlock (&t->lock);
-  return alone;
+  /* A write in the chunks: does one really overlap? */
+  return busy && exact_busy (t, offset, len);
 }
 
 void
@@ -550,6 +622,11 @@ bcf_bypass_get_mem (struct bcf_bypass *t, struct bcf_bypass_mem *m)
   m->reserve_pages = t->nreserve;
   m->reserve_uses = t->reserve_uses;
   m->in_flight = t->in_flight;
+  m->in_flight_peak = t->in_flight_peak;
+  m->exact_checks = t->exact_checks;
+  m->waits = t->waits;
+  m->wait_ns = t->wait_ns;
+  m->wait_max_ns = t->wait_max_ns;
   pthread_mutex_unlock (&t->lock);
 }
 
@@ -557,6 +634,12 @@ void
 bcf_bypass_test_disable (struct bcf_bypass *t, bool disabled)
 {
   atomic_store (&t->disabled, disabled);
+}
+
+void
+bcf_bypass_test_disable_ordering (struct bcf_bypass *t, bool disabled)
+{
+  atomic_store (&t->no_ordering, disabled);
 }
 
 void

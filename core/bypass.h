@@ -7,23 +7,29 @@
  * a read miss checks here after inserting its check key and does not
  * cache if an overlapping write is in flight.
  *
- * Granularity: one 32-bit word per 32 MiB chunk of the backing store,
- * kept in lazily allocated 4 KiB pages (1024 chunks = 32 GiB per page);
- * a page is freed again when no write is registered in it.  A small
- * reserve pool of pages means registering never fails, even when malloc
- * does.  Memory: the page table is 8 bytes per 32 GiB (256 B per TiB)
- * idle, and the pages at most 128 KiB per TiB with every page allocated;
- * on top of that the reserve pool is a fixed 4 pages (16 KiB) whatever
- * the size, the price of never failing.
+ * Two layers (DESIGN.md "In-flight write ranges"):
+ * - the seed's chunk counters: one 32-bit count of registered writes per
+ *   32 MiB chunk of the backing store, in lazily allocated 4 KiB pages
+ *   (1024 chunks = 32 GiB per page), a page freed again when no write is
+ *   registered in it, and a small reserve pool of pages so registering
+ *   never fails, even when malloc does.  A miss in chunks whose counts
+ *   are all 0 needs nothing more: that check is lock-free (the read-miss
+ *   path).  Memory: the page table is 8 bytes per 32 GiB (256 B per TiB)
+ *   idle, the pages at most 128 KiB per TiB with every page allocated,
+ *   plus a fixed reserve of 4 pages (16 KiB) whatever the size;
+ * - behind them, the exact ranges of the writes in flight, in
+ *   registration order: a miss in a busy chunk skips caching only if a
+ *   write that really overlaps it (byte ranges) is in flight.  The record
+ *   of a write is its token (on the writer's stack): memory is bounded by
+ *   the number of writes in flight, and nothing is allocated for it.
  *
- * The word of a chunk holds the number of registered writes and an epoch
- * that every registration advances; a writer's token records the words
- * its registration produced, so bcf_bypass_alone() can tell whether the
- * writer has been the only writer in its chunks for its whole lifetime
- * (the rule for inserting writethrough data as clean).
- *
- * bcf_bypass_busy() is lock-free (the read-miss path); begin/end may
- * take a lock.
+ * Ordering: overlapping writes reach the backing store in registration
+ * order.  A writer calls bcf_bypass_wait_turn after registering: it
+ * returns once every overlapping write registered before it has called
+ * bcf_bypass_done (its backing write completed).  So the cache's order of
+ * overlapping writes and the backing store's are the same (request.c
+ * argues why that matters).  Earlier writes never wait for later ones, so
+ * no cycle of waits can form.
  */
 #ifndef BCACHEFILTER_BYPASS_H
 #define BCACHEFILTER_BYPASS_H
@@ -32,15 +38,18 @@
 #include <stdint.h>
 
 #define BCF_BYPASS_CHUNK_SHIFT 25          /* 32 MiB chunks */
-#define BCF_BYPASS_TOKEN_CHUNKS 4          /* chunks a token remembers */
 
 struct bcf_bypass;
 
-/* What one registration did: the chunks [first, first + nchunks) and the
- * word each chunk held right after this registration (for alone()). */
+/* One registered write: its chunks (for the counters), its exact byte
+ * range, and its place in the in-flight list.  Owned by the writer;
+ * opaque to it. */
 struct bcf_bypass_token {
-  uint64_t first, nchunks;
-  uint32_t word[BCF_BYPASS_TOKEN_CHUNKS];
+  uint64_t first, nchunks;      /* chunks [first, first + nchunks) */
+  uint64_t start, end;          /* bytes, clamped to the size */
+  uint64_t seq;                 /* registration order */
+  bool done;                    /* its backing write has completed */
+  struct bcf_bypass_token *prev, *next;
 };
 
 struct bcf_bypass_mem {
@@ -50,34 +59,44 @@ struct bcf_bypass_mem {
   uint64_t reserve_pages;     /* pages in the reserve pool now */
   uint64_t reserve_uses;      /* times the reserve served an allocation */
   uint64_t in_flight;         /* registered writes now */
+  uint64_t in_flight_peak;    /* ... at most */
+  uint64_t exact_checks;      /* busy() calls that needed the exact ranges */
+  uint64_t waits;             /* wait_turn calls that had to wait */
+  uint64_t wait_ns, wait_max_ns;  /* how long, in all and at most */
 };
 
 /* A tracker for a backing store of size bytes; NULL if out of memory. */
 struct bcf_bypass *bcf_bypass_new (uint64_t size);
 void bcf_bypass_free (struct bcf_bypass *t);
 
-/* Register a write over [offset, offset + len) (len > 0; clamped to the
- * size).  Never fails. */
+/* Register a write over [offset, offset + len) (clamped to the size).
+ * Never fails and never waits for other writes. */
 void bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
                        struct bcf_bypass_token *tok);
+/* Wait until every write registered before tok that overlaps it is done
+ * (bcf_bypass_done or bcf_bypass_end).  Returns the nanoseconds waited. */
+uint64_t bcf_bypass_wait_turn (struct bcf_bypass *t,
+                               struct bcf_bypass_token *tok);
+/* tok's backing write has completed: later overlapping writes may go. */
+void bcf_bypass_done (struct bcf_bypass *t, struct bcf_bypass_token *tok);
 /* Unregister what begin registered. */
-void bcf_bypass_end (struct bcf_bypass *t, const struct bcf_bypass_token *tok);
+void bcf_bypass_end (struct bcf_bypass *t, struct bcf_bypass_token *tok);
 
-/* Is a write registered in any chunk overlapping [offset, offset + len)?
- * Lock-free.  Everything registered before the caller's last acquire of a
- * lock that the registering thread released after begin() is seen. */
+/* Is a write that overlaps [offset, offset + len) registered?  Lock-free
+ * when no write is registered in the chunks of the range (the common
+ * case); else it looks at the exact ranges under the tracker's lock.
+ * Everything registered before the caller's last acquire of a lock that
+ * the registering thread released after begin() is seen. */
 bool bcf_bypass_busy (struct bcf_bypass *t, uint64_t offset, uint64_t len);
-
-/* Has tok's writer been the only registered writer in each of its chunks
- * since it registered?  False when unsure (more chunks than a token
- * remembers). */
-bool bcf_bypass_alone (struct bcf_bypass *t, const struct bcf_bypass_token *tok);
 
 void bcf_bypass_get_mem (struct bcf_bypass *t, struct bcf_bypass_mem *m);
 
 /* Tests only: make busy() always answer false, to show that the seed-race
  * tests fail without the tracker. */
 void bcf_bypass_test_disable (struct bcf_bypass *t, bool disabled);
+/* Tests only: make wait_turn return at once, to show that the ordering
+ * tests fail without the ordering. */
+void bcf_bypass_test_disable_ordering (struct bcf_bypass *t, bool disabled);
 
 /* Tests only: make every page allocation (malloc) fail while set, to
  * exercise the reserve pool and the wait for a free page. */

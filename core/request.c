@@ -31,47 +31,76 @@
  *      not allowed.  The workers take the queue in batches
  *      (bcf_miss_fill_many), one device submission per batch.
  *
- * Write (every mode): the backing write is registered in the tracker for
- * its whole duration, and the span is invalidated durably before the
- * backing write is issued:
+ * Write (every mode).  The backing write is registered in the tracker
+ * for its whole duration, ordered after every overlapping write
+ * registered before it, and the cache is updated before the backing
+ * write is issued:
  *
- *   W1. bcf_bypass_begin (tracker raised);
- *   W2. bcf_invalidate (span, durable): removes cached data and any check
- *       key, journalled wherever a crash could bring back what it removes
- *       (the rule and its argument: bcf_invalidate in core/cache.c);
- *   W3. writethrough only: bcf_miss_begin, a check key of our own over
- *       the whole blocks of the request;
- *   W4. the backing write;
- *   W5. writethrough only: if this writer was alone in its chunks for its
- *       whole life (bcf_bypass_alone), its data is queued for
- *       bcf_miss_fill, which inserts it as clean against our check key,
- *       else the check key is dropped;
- *   W6. bcf_bypass_end.
- * A fill that runs after W6 is still safe: any writer registering later
- * invalidates (removing our check key, or the data just filled) after
- * its own registration, and aloneness was decided before W6.
+ *   W1. bcf_bypass_begin (registered: the chunk counters and the exact
+ *       range), then bcf_bypass_wait_turn: every overlapping write that
+ *       registered earlier has finished its backing write and its cache
+ *       update (the tracker's ordering);
+ *   W2. writethrough, the whole blocks of the request (DESIGN.md "Writes
+ *       on dirty keys"): bcf_write_begin puts the data in the cache as
+ *       dirty keys, journalled; where the range held data a crash could
+ *       bring back (w.ordered), bcf_write_durable waits for the journal.
+ *       The partial blocks at the ends of the span, and the whole span of
+ *       a write that is not cached (bypass, writearound, none, no room, a
+ *       device error), are invalidated durably instead: bcf_invalidate
+ *       (durable), journalled wherever a crash could bring back what it
+ *       removes (the rule and its argument: bcf_invalidate in
+ *       core/extent.c);
+ *   W3. the backing write;
+ *   W4. writethrough: if it succeeded, bcf_write_mark_clean (the dirty
+ *       keys become clean: the backing store has the data); if it failed,
+ *       bcf_write_undo removes them durably before the error is returned,
+ *       so no dirty key of a write the client was told failed is left for
+ *       a restart to write back;
+ *   W5. bcf_bypass_end.
  *
  * Why no read can cache data older than the backing store (I1, I2).  The
- * btree lock orders every check-key insert (step 1, W3) against every
- * invalidation (W2).  Take a read miss R over a range a write W changes.
- *  - R's check key went in before W's invalidation: W2 removes it, so
- *    R's fill collides; nothing is cached.
- *  - R's check key went in after W2: W1 happened before W2, which
- *    released the btree lock after it; step 1 acquired that lock after,
- *    so R's tracker check (step 2, after step 1) sees W registered,
- *    unless W already reached W6 — and then W's backing write completed
- *    before R read the backing store (step 3 is after step 2), so R
- *    reads W's data or newer.
- * Without the tracker the second case is the seed race: R reads the
- * backing store before W4 lands and its fill succeeds with old data.
+ * btree lock orders every check-key insert (step 1) against every cache
+ * update of W2 (dirty keys, whiteouts, or the look of an invalidation
+ * that found nothing to remove).  Take a read miss R over a range a
+ * write W changes.
+ *  - R's check key went in before W2: W2's dirty keys or whiteouts remove
+ *    it, so R's fill collides; nothing is cached.
+ *  - R's check key was to go in after W2's dirty keys: a check key is
+ *    never laid over a dirty key (bcf_miss_begin fails with -EEXIST), so
+ *    R reads the backing store without caching.  That read began before
+ *    W was acknowledged (its lookup missed, so W2 had not happened), so
+ *    the older data it may return is allowed (I1).
+ *  - Otherwise R's check key went in after W2: W1 happened before W2,
+ *    which released the btree lock after it; step 1 acquired that lock
+ *    after, so R's tracker check (step 2, after step 1) sees W registered
+ *    (the exact range overlaps R's: no write that does not overlap makes
+ *    R skip caching), unless W already reached W5 — and then W's backing
+ *    write completed before R read the backing store (step 3 is after
+ *    step 2), so R reads W's data or newer.
+ * Without the tracker the last case is the seed race: R reads the
+ * backing store before W3 lands and its fill succeeds with old data.
  *
- * Why writethrough inserts are never older than the backing store.  Two
- * overlapping writes W and V may reach the backing store in either order,
- * so W inserts only if no other write was registered in its chunks at
- * any time during its life (alone: nobody registered at W1, nobody since).
- * A writer V that registers after W5's check invalidates (V2) after it,
- * which removes W's check key (fill collides) or W's clean key (V2 after
- * the fill); V's data is then the newest in the backing store.
+ * Why the cache and the backing store agree on overlapping writes.  V
+ * and W overlap and V registered first: W1 makes W wait until V is past
+ * W4, so V's cache update (W2) and backing write (W3) both come before
+ * W's.  The cache's newest key for the overlap is W's, and so is the
+ * backing store's last write.  V's mark-clean (W4) is done before W
+ * proceeds, so it cannot hit W's keys, and a mark-clean only ever
+ * touches the exact keys of its own write anyway.  Without the ordering
+ * V's backing write could land after W's while the cache holds W's data:
+ * the cache would be newer than the export, and a restart (or a clean
+ * key of W) would serve data the export does not have.
+ *
+ * Why a crash leaves no clean key older than the backing store (I2).
+ * W's dirty keys reach the journal before W3 wherever a crash could
+ * otherwise bring back an older key of the range (w.ordered).  After a
+ * crash, a surviving dirty key of W means the backing store may or may
+ * not have W's data: the engine writes every dirty key back before it
+ * treats the cache as clean (core/writeback.c), so both agree on W's
+ * data, which was never acknowledged unless W3 completed.  A lost dirty
+ * key (not yet durable) means nothing older could come back (not
+ * ordered), so the backing store decides.  The clean marks of W4 are not
+ * journalled: losing one only makes recovery write the same data back.
  *
  * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
@@ -121,6 +150,7 @@
 #include "io.h"
 #include "seqdetect.h"
 #include "util.h"
+#include "writeback.h"
 
 #define PLAN_EXTENTS 16
 #define PREFETCH_CHUNK (1u << 20)
@@ -181,6 +211,12 @@ struct bcf_req {
   struct fill_worker_arg { struct bcf_req *r; unsigned idx; }
     wargs[FILL_WORKERS];
   _Atomic uint64_t fills_dropped;
+  _Atomic uint64_t write_inserts, write_collisions;
+  /* The writeback thread (opts.background), and the counters of hand
+   * passes (bcf_req_writeback) made without it. */
+  struct bcf_writeback *wb;
+  struct bcf_writeback_stats wb_hand;
+  pthread_mutex_t wb_hand_lock;
 };
 
 /* What the request path decided about one request. */
@@ -435,6 +471,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->cache_end = r->size / r->block * r->block;
   r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
   pthread_mutex_init (&r->error_lock, NULL);
+  pthread_mutex_init (&r->wb_hand_lock, NULL);
   r->halflife = o->error_halflife == BCF_ERROR_HALFLIFE_NEVER ? 0
                 : o->error_halflife ? o->error_halflife
                 : BCF_ERROR_HALFLIFE_DEFAULT;
@@ -451,6 +488,14 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     return NULL;
   }
   atomic_store (&r->cutoff, o->sequential_cutoff);
+  /* Dirty keys a crash left are written back before anything treats the
+   * cache as clean; until then they are served as the newest data. */
+  if (o->background &&
+      (!(r->wb = bcf_writeback_new (c, r->tracker, o->background, true)) ||
+       bcf_writeback_start (r->wb) < 0)) {
+    bcf_req_free (r);
+    return NULL;
+  }
   for (unsigned i = 0; i < FILL_WORKERS; i++) {
     r->wargs[i] = (struct fill_worker_arg) { .r = r, .idx = i };
     if (pthread_create (&r->workers[i], NULL, fill_worker, &r->wargs[i])
@@ -468,6 +513,7 @@ bcf_req_free (struct bcf_req *r)
 {
   if (!r)
     return;
+  bcf_writeback_free (r->wb);
   /* The workers finish what is queued, then stop. */
   pthread_mutex_lock (&r->fill_lock);
   r->fill_stop = true;
@@ -483,6 +529,7 @@ bcf_req_free (struct bcf_req *r)
   bcf_stats_free (r->stats);
   pthread_mutex_destroy (&r->abandon_lock);
   pthread_mutex_destroy (&r->error_lock);
+  pthread_mutex_destroy (&r->wb_hand_lock);
   free (r);
 }
 
@@ -535,6 +582,35 @@ bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled)
   bcf_bypass_test_disable (r->tracker, disabled);
 }
 
+int
+bcf_req_writeback (struct bcf_req *r, const struct bcf_backing *b)
+{
+  struct bcf_writeback *wb = bcf_writeback_new (r->c, r->tracker, b, true);
+  struct bcf_writeback_stats st;
+  int rc;
+
+  if (!wb)
+    return -ENOMEM;
+  rc = bcf_writeback_pass (wb);
+  bcf_writeback_get_stats (wb, &st);
+  bcf_writeback_free (wb);
+  pthread_mutex_lock (&r->wb_hand_lock);
+  r->wb_hand.keys_done += st.keys_done;
+  r->wb_hand.keys_failed += st.keys_failed;
+  r->wb_hand.bytes_written += st.bytes_written;
+  r->wb_hand.backing_errors += st.backing_errors;
+  r->wb_hand.read_errors += st.read_errors;
+  r->wb_hand.retries += st.retries;
+  pthread_mutex_unlock (&r->wb_hand_lock);
+  return rc;
+}
+
+void
+bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled)
+{
+  bcf_bypass_test_disable_ordering (r->tracker, disabled);
+}
+
 void
 bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
 {
@@ -556,6 +632,28 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   st->bypass_reserve_uses = m.reserve_uses;
   st->bypass_in_flight = m.in_flight;
   st->fills_dropped = atomic_load (&r->fills_dropped);
+  st->write_inserts = atomic_load (&r->write_inserts);
+  st->write_collisions = atomic_load (&r->write_collisions);
+  st->write_waits = m.waits;
+  st->write_wait_ns = m.wait_ns;
+  st->write_wait_max_ns = m.wait_max_ns;
+  st->writes_in_flight_peak = m.in_flight_peak;
+  st->bypass_exact_checks = m.exact_checks;
+  st->dirty_bytes = bcf_cache_dirty_bytes (r->c);
+  {
+    struct bcf_writeback_stats w = { 0 };
+    if (r->wb)
+      bcf_writeback_get_stats (r->wb, &w);
+    pthread_mutex_lock (&r->wb_hand_lock);
+    st->writeback_keys_done = w.keys_done + r->wb_hand.keys_done;
+    st->writeback_keys_failed = w.keys_failed + r->wb_hand.keys_failed;
+    st->writeback_bytes = w.bytes_written + r->wb_hand.bytes_written;
+    st->writeback_backing_errors = w.backing_errors +
+                                   r->wb_hand.backing_errors;
+    st->writeback_read_errors = w.read_errors + r->wb_hand.read_errors;
+    st->writeback_retries = w.retries + r->wb_hand.retries;
+    pthread_mutex_unlock (&r->wb_hand_lock);
+  }
   pthread_mutex_lock (&r->fill_lock);
   st->fill_queue_bytes = r->fill_bytes;
   pthread_mutex_unlock (&r->fill_lock);
@@ -713,7 +811,10 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
     return backing_pread (b, buf, e->len, e->offset);
   rc = bcf_miss_begin (r->c, e->offset, e->len, &m);
   if (rc < 0) {
-    if (rc != -ENOSPC && rc != -EROFS)
+    /* -EEXIST: a write put dirty data there since our lookup; it was not
+     * acknowledged when this read began, so the backing store's data is
+     * an answer this read may give, but not one to cache. */
+    if (rc != -ENOSPC && rc != -EROFS && rc != -EEXIST)
       device_error (r);
     return backing_pread (b, buf, e->len, e->offset);
   }
@@ -750,7 +851,7 @@ read_hit (struct bcf_req *r, const struct bcf_backing *b,
     if (e->dirty)
       return rc;        /* the only copy: the backing store is older */
     device_error (r);
-    bcf_invalidate (r->c, e->offset, e->len, false);
+    bcf_drop_hit (r->c, e);
   }
   return backing_pread (b, buf, e->len, e->offset);
 }
@@ -878,41 +979,114 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
 
 /* ---- writes ----------------------------------------------------------------------- */
 
-/* W1-W2 of the write protocol: register the backing change and
- * invalidate the span durably.  Returns 0 when the backing store may
- * change: the span is invalidated durably, or the cache is abandoned (the
- * next open starts empty), which is equally safe.  An invalidation that
- * cannot be made durable gives the cache up (go_passthrough), which tries
- * to write that mark.
+/* W1 of the write protocol: register the backing change and wait for
+ * every overlapping write registered before it. */
+static void
+register_change (struct bcf_req *r, struct span s,
+                 struct bcf_bypass_token *tok)
+{
+  bcf_bypass_begin (r->tracker, s.start, s.end - s.start, tok);
+  bcf_bypass_wait_turn (r->tracker, tok);
+}
+
+/* A durable cache update (an invalidation, dirty keys) of W2 failed, so
+ * the range may hold data a restart could bring back: give the cache up
+ * (go_passthrough), which tries to write that mark.  Returns 0 if it is
+ * written (the next open starts empty: the backing store may change), or
+ * -EIO.
  *
  * If the mark cannot be written either, the device refuses writes, and
  * the span may hold data a restart could bring back (bcf_invalidate
  * fails only where a journal write was needed).  Should the device come
  * back, the next start would serve that data over what this write put in
- * the backing store (I2).  So the change must not happen: returns -EIO,
- * with the tracker registration ended.  That fails a request the backing
- * store could have served, but only for ranges the cache holds, and only
- * while the device takes no writes at all; everywhere else writes pass
- * through.  In pass-through the same holds until the mark is written:
- * a change may first retry it (abandon_device), and checks the span
- * whenever it is not written. */
+ * the backing store (I2).  So the change must not happen.  That fails a
+ * request the backing store could have served, but only for ranges the
+ * cache holds, and only while the device takes no writes at all;
+ * everywhere else writes pass through.  In pass-through the same holds
+ * until the mark is written: a change may first retry it
+ * (abandon_device), and checks the span whenever it is not written. */
 static int
-begin_backing_change (struct bcf_req *r, struct span s,
-                      struct bcf_bypass_token *tok)
+cache_update_failed (struct bcf_req *r)
 {
-  bcf_bypass_begin (r->tracker, s.start, s.end - s.start, tok);
+  device_error (r);
+  go_passthrough (r);
+  return atomic_load (&r->abandoned) ? 0 : -EIO;
+}
+
+/* W2 for data that is not cached: drop [start, start + len) durably.
+ * Returns 0 when the backing store may change: the range is invalidated
+ * durably, or the cache is abandoned (the next open starts empty), which
+ * is equally safe; else -EIO (cache_update_failed). */
+static int
+invalidate_durably (struct bcf_req *r, uint64_t start, uint64_t len)
+{
+  if (len == 0)
+    return 0;
   if (cache_off (r))
     abandon_device (r);
   if (atomic_load (&r->abandoned))
     return 0;
-  if (bcf_invalidate (r->c, s.start, s.end - s.start, true) == 0)
+  if (bcf_invalidate (r->c, start, len, true) == 0)
     return 0;
-  device_error (r);
-  go_passthrough (r);
-  if (atomic_load (&r->abandoned))
+  return cache_update_failed (r);
+}
+
+/* W2 for writethrough: the whole blocks in of the span s as dirty keys
+ * (data holds them), the partial blocks at the ends invalidated.
+ * Returns 1 if the data is in the cache (w to be completed at W4), 0 if
+ * it is not but the range is invalidated, or -EIO (see
+ * cache_update_failed). */
+static int
+cache_write (struct bcf_req *r, struct span s, struct span in,
+             const void *data, struct bcf_write *w)
+{
+  int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, w);
+
+  if (rc < 0) {
+    if (rc != -ENOSPC && rc != -EROFS)
+      device_error (r);
+    return invalidate_durably (r, s.start, s.end - s.start);
+  }
+  /* The edges first: their journal entry, if they need one, comes after
+   * the dirty keys', so waiting for it covers both. */
+  if ((rc = invalidate_durably (r, s.start, in.start - s.start)) == 0 &&
+      (rc = invalidate_durably (r, in.end, s.end - in.end)) == 0 &&
+      bcf_write_durable (r->c, w) < 0)
+    rc = cache_update_failed (r);
+  if (rc < 0) {
+    /* The backing write will not happen: the dirty keys must not be
+     * served (they may survive a restart only if the journal that is
+     * failing still takes them). */
+    bcf_write_undo (r->c, w);
+    bcf_write_release (w);
+    return rc;
+  }
+  if (cache_off (r)) {
+    /* Given up meanwhile (abandoned): the data need not be kept. */
+    bcf_write_undo (r->c, w);
+    bcf_write_release (w);
     return 0;
-  bcf_bypass_end (r->tracker, tok);
-  return -EIO;
+  }
+  return 1;
+}
+
+/* W4: the backing write returned rc. */
+static void
+complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc)
+{
+  if (rc == 0) {
+    int64_t clean = bcf_write_mark_clean (r->c, w);
+    atomic_fetch_add (clean == (int64_t) w->len ? &r->write_inserts
+                      : &r->write_collisions, 1);
+  }
+  else {
+    /* The client is told the write failed: its data must not stay to be
+     * written back by a restart. */
+    if (bcf_write_undo (r->c, w) < 0)
+      cache_update_failed (r);
+    atomic_fetch_add (&r->write_collisions, 1);
+  }
+  bcf_write_release (w);
 }
 
 int
@@ -922,8 +1096,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   struct span s = span_of (r, offset, count);
   struct span in = inner_of (r, offset, count);
   struct bcf_bypass_token tok;
-  struct bcf_miss m;
-  bool insert, have_check = false;
+  struct bcf_write w;
+  bool insert, cached = false;
   int rc;
 
   if (count == 0)
@@ -944,20 +1118,23 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
       bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
   }
 
-  if ((rc = begin_backing_change (r, s, &tok)) < 0)     /* W1, W2 */
+  register_change (r, s, &tok);                                /* W1 */
+  if (insert && !cache_off (r))                                /* W2 */
+    rc = cache_write (r, s, in, (const uint8_t *) buf + (in.start - offset),
+                      &w);
+  else
+    rc = invalidate_durably (r, s.start, s.end - s.start);
+  if (insert && rc == 0)
+    atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
+  if (rc < 0) {
+    bcf_bypass_end (r->tracker, &tok);
     return rc;
-  if (insert && !cache_off (r)) {                        /* W3 */
-    rc = bcf_miss_begin (r->c, in.start, in.end - in.start, &m);
-    have_check = rc == 0;
   }
-  rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);   /* W4 */
-  if (have_check) {                                      /* W5 */
-    if (rc == 0 && bcf_bypass_alone (r->tracker, &tok))
-      queue_fill (r, &m, (const uint8_t *) buf + (in.start - offset));
-    else
-      bcf_miss_cancel (r->c, &m);
-  }
-  bcf_bypass_end (r->tracker, &tok);                     /* W6 */
+  cached = rc == 1;
+  rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);   /* W3 */
+  if (cached)                                                 /* W4 */
+    complete_cache_write (r, &w, rc);
+  bcf_bypass_end (r->tracker, &tok);                           /* W5 */
   return rc;
 }
 
@@ -978,9 +1155,9 @@ change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
     return fn (b, count, offset, arg);
-  if ((rc = begin_backing_change (r, s, &tok)) < 0)
-    return rc;
-  rc = fn (b, count, offset, arg);
+  register_change (r, s, &tok);
+  if ((rc = invalidate_durably (r, s.start, s.end - s.start)) == 0)
+    rc = fn (b, count, offset, arg);
   bcf_bypass_end (r->tracker, &tok);
   return rc;
 }
@@ -1047,7 +1224,7 @@ bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset)
   struct span s = span_of (r, offset, count);
   uint64_t pos = s.start;
 
-  if (cache_off (r))
+  if (cache_off (r) || bcf_cache_dirty_bytes (r->c) == 0)
     return 0;
   while (pos < s.end) {
     struct bcf_extent ext[PLAN_EXTENTS];

@@ -51,6 +51,11 @@ struct bcf_req_opts {
    * BCF_ERROR_HALFLIFE_NEVER: no decay (bcache's default). */
   unsigned error_limit;
   uint64_t error_halflife;
+  /* A backing store for background work: the writeback thread writes
+   * dirty data back through it (dirty keys a crash left, in every mode).
+   * Must stay valid until bcf_req_free.  NULL: no thread (tests drive
+   * bcf_req_writeback by hand). */
+  const struct bcf_backing *background;
   /* After a failed attempt to mark the cache device as given up, how
    * long before the next one (writes never wait for it; see
    * abandon_device in core/request.c); 0 = 1000 ms. */
@@ -98,6 +103,19 @@ struct bcf_req_stats {
   uint64_t bypass_bytes_now, bypass_bytes_peak, bypass_pages,
            bypass_reserve_uses, bypass_in_flight;
   uint64_t fills_dropped;       /* misses not cached: fill queue full */
+  uint64_t write_inserts;       /* writethrough writes whose data is cached */
+  uint64_t write_collisions;    /* ... whose data could not be (no room, a
+                                   device error, a failed backing write) */
+  uint64_t write_waits;         /* writes that waited for an overlapping
+                                   write in flight */
+  uint64_t write_wait_ns, write_wait_max_ns;    /* how long in all, at most */
+  uint64_t writes_in_flight_peak;
+  uint64_t bypass_exact_checks; /* misses in a chunk with a write in
+                                   flight: the exact ranges decided */
+  uint64_t dirty_bytes;         /* dirty data in the cache */
+  uint64_t writeback_keys_done, writeback_keys_failed, writeback_bytes,
+           writeback_backing_errors, writeback_read_errors,
+           writeback_retries;
   uint64_t fill_queue_bytes;    /* data waiting to be written to the cache */
 };
 void bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st);
@@ -109,8 +127,15 @@ struct bcf_stats *bcf_req_counters (struct bcf_req *r);
  * drains, and tests use this to see the cache state. */
 void bcf_req_drain (struct bcf_req *r);
 
+/* Write every dirty extent back now, in the calling thread (what the
+ * writeback thread does in the background; tests and tools).  Returns 0
+ * or the backing store's -errno (the data stays dirty). */
+int bcf_req_writeback (struct bcf_req *r, const struct bcf_backing *b);
+
 /* Tests only: disable the in-flight write tracker's check. */
 void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
+/* Tests only: disable the ordering of overlapping writes. */
+void bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled);
 
 #ifdef __cplusplus
 }

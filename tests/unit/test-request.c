@@ -178,20 +178,27 @@ writer_thread (void *arg)
 }
 
 /* A read miss runs while a write to the same range is parked before its
- * backing write (after its invalidation).  The read returns the old data
- * (the write is not acknowledged yet: allowed), and must not cache it:
- * once the write completes, every read returns the new data. */
+ * backing write (after its cache update).  A write that bypasses the
+ * cache (writearound, or a sequential stream past the cutoff) dropped the
+ * range: the read returns the old data (the write is not acknowledged
+ * yet: allowed), and must not cache it: once the write completes, every
+ * read returns the new data.  A writethrough write that is cached put its
+ * data in as a dirty key: the read returns the new data already.  The
+ * read is half the write, so that it is not a stream past the cutoff. */
 static void
-seed_race (enum bcf_cache_mode mode, bool warm)
+seed_race (enum bcf_cache_mode mode, bool warm, uint64_t cutoff)
 {
   struct fx f;
-  uint8_t old[64 * 1024], new[64 * 1024], got[64 * 1024];
+  uint8_t old[64 * 1024], new[64 * 1024], got[32 * 1024];
   const uint64_t off = 8 * MiB;
+  const bool dirty = mode == BCF_MODE_WRITETHROUGH && cutoff == 0;
   struct mem_backing_gate *g;
   struct writer w;
   pthread_t t;
 
   fx_init (&f, "race.img", 64 * MiB, mode);
+  if (cutoff)
+    bcf_req_set_sequential_cutoff (f.r, cutoff);
   pattern (old, sizeof old, 0xaa);
   pattern (new, sizeof new, 0x55);
   mem_backing_poke (f.mb, old, sizeof old, off);
@@ -207,10 +214,10 @@ seed_race (enum bcf_cache_mode mode, bool warm)
   ck_assert_msg (mem_backing_gate_wait_hit (g, 10000),
                  "the write never reached the backing store");
 
-  /* The write is between its invalidation and its backing write. */
-  ck_assert (!cached (&f, off, sizeof got));
+  /* The write is between its cache update and its backing write. */
+  ck_assert (cached (&f, off, sizeof got) == dirty);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (memcmp (got, old, sizeof got) == 0);
+  ck_assert (memcmp (got, dirty ? new : old, sizeof got) == 0);
   bcf_req_drain (f.r);          /* the read's fill, if any, has run */
 
   mem_backing_gate_release (g);
@@ -232,19 +239,27 @@ seed_race (enum bcf_cache_mode mode, bool warm)
 
 START_TEST (seed_race_writearound)
 {
-  seed_race (BCF_MODE_WRITEAROUND, false);
+  seed_race (BCF_MODE_WRITEAROUND, false, 0);
 }
 END_TEST
 
 START_TEST (seed_race_writethrough)
 {
-  seed_race (BCF_MODE_WRITETHROUGH, false);
+  /* Writethrough, the write bypassed by the sequential cutoff. */
+  seed_race (BCF_MODE_WRITETHROUGH, false, 64 * 1024);
 }
 END_TEST
 
 START_TEST (seed_race_warm_writearound)
 {
-  seed_race (BCF_MODE_WRITEAROUND, true);
+  seed_race (BCF_MODE_WRITEAROUND, true, 0);
+}
+END_TEST
+
+START_TEST (writethrough_read_during_write)
+{
+  seed_race (BCF_MODE_WRITETHROUGH, false, 0);
+  seed_race (BCF_MODE_WRITETHROUGH, true, 0);
 }
 END_TEST
 
@@ -329,10 +344,248 @@ START_TEST (miss_before_write_collides)
 }
 END_TEST
 
-/* Two overlapping writethrough writes whose backing writes land in the
- * opposite order of their completions: the cache must end up equal to
- * the backing store (or not cache the range). */
-START_TEST (overlapping_writethrough_writes)
+/* The exact in-flight ranges: a miss overlapping a write in flight is
+ * not cached; a miss next to it, in the same 32 MiB chunk, is (the
+ * seed's chunk counters alone skipped it).  A write that only touches
+ * the chunk does not wait for the parked one either. */
+START_TEST (miss_next_to_write_cached)
+{
+  struct fx f;
+  uint8_t new[4096], got[4096];
+  const uint64_t off = 4 * MiB;
+  struct mem_backing_gate *g;
+  struct bcf_req_stats rs;
+  struct writer w;
+  pthread_t t;
+
+  fx_init (&f, "nextto.img", 64 * MiB, BCF_MODE_WRITEAROUND);
+  pattern (new, sizeof new, 0x66);
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                            off, sizeof new);
+  w = (struct writer) { .f = &f, .buf = new, .len = sizeof new, .off = off };
+  ck_assert_int_eq (pthread_create (&t, NULL, writer_thread, &w), 0);
+  ck_assert (mem_backing_gate_wait_hit (g, 10000));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off + MiB), 0);
+  ck_assert_msg (cached (&f, off + MiB, sizeof got),
+                 "a miss next to a write in flight was not cached");
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (!cached (&f, off, sizeof got),
+                 "a miss overlapping a write in flight was cached");
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off + 2 * MiB,
+                                   false), 0);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_ge (rs.bypass_exact_checks, 2);
+  ck_assert_uint_eq (rs.write_waits, 0);
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (w.result, 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* The state a crash leaves a writethrough write in when its dirty key
+ * reached the journal but its backing write had not landed: the engine
+ * steps of the write, without the backing write, then a power cut. */
+static void
+crash_with_dirty (struct fx *f, const uint8_t *data, uint32_t len,
+                  uint64_t off)
+{
+  struct bcf_write w;
+
+  ck_assert_int_eq (bcf_write_begin (f->c, off, len, data, &w), 0);
+  ck_assert_int_eq (bcf_write_sync (f->c, &w), 0);
+  bcf_write_release (&w);
+  bcf_req_free (f->r);
+  f->r = NULL;
+  bcf_cache_test_crash (f->c, seed, BCF_IO_CRASH_LOSE_ALL);
+  f->c = NULL;
+  fx_open (f);
+}
+
+/* Dirty keys a crash left are served as the newest data, and written
+ * back (flushed) before they are marked clean; afterwards cache and
+ * backing store agree, also after a restart. */
+START_TEST (dirty_keys_written_back_after_crash)
+{
+  struct fx f;
+  uint8_t old[65536], new[65536], got[65536];
+  struct bcf_req_stats rs;
+  struct mem_backing_stats ms;
+  const uint64_t off = 6 * MiB;
+
+  fx_init (&f, "recover.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (old, sizeof old, 0x10);
+  pattern (new, sizeof new, 0x20);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (cached (&f, off, sizeof got));
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  crash_with_dirty (&f, new, sizeof new, off);
+
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, sizeof new);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
+                 "the dirty key a crash left is not served");
+  mem_backing_reset_stats (f.mb);
+  ck_assert_int_eq (bcf_req_writeback (f.r, &f.b), 0);
+  mem_backing_get_stats (f.mb, &ms);
+  ck_assert_uint_ge (ms.writes, 1);
+  ck_assert_uint_ge (ms.flushes, 1);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, 0);
+  ck_assert_uint_eq (rs.writeback_keys_done, 1);
+  ck_assert_uint_eq (rs.writeback_bytes, sizeof new);
+  mem_backing_peek (f.mb, got, sizeof got, off);
+  ck_assert (memcmp (got, new, sizeof got) == 0);
+  fx_close (&f);
+  fx_open (&f);
+  ck_assert (cached (&f, off, sizeof got));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, new, sizeof got) == 0);
+  fx_free (&f);
+}
+END_TEST
+
+/* The writeback thread (opts.background) drains what a crash left by
+ * itself; a backing store that fails keeps the data dirty (retried),
+ * never dropped. */
+START_TEST (writeback_thread_drains)
+{
+  struct fx f;
+  uint8_t new[16384], got[16384];
+  struct bcf_req_stats rs;
+  const uint64_t off = 10 * MiB;
+  int fail;
+
+  fx_init (&f, "drain.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (new, sizeof new, 0x31);
+  fail = mem_backing_fail_range (f.mb, MEM_BACKING_WRITE, off, sizeof new,
+                                 EIO);
+  crash_with_dirty (&f, new, sizeof new, off);
+  bcf_req_free (f.r);
+  f.ro.background = &f.b;
+  f.r = bcf_req_new (f.c, &f.ro);
+  ck_assert_ptr_nonnull (f.r);
+  for (int i = 0; i < 1000; i++) {
+    bcf_req_get_stats (f.r, &rs);
+    if (rs.writeback_backing_errors >= 1)
+      break;
+    usleep (10000);
+  }
+  ck_assert_uint_ge (rs.writeback_backing_errors, 1);
+  ck_assert_uint_eq (rs.dirty_bytes, sizeof new);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, new, sizeof got) == 0);
+  mem_backing_fail_range_clear (f.mb, fail);
+  for (int i = 0; i < 2000; i++) {        /* the retry: 100 ms, doubling */
+    bcf_req_get_stats (f.r, &rs);
+    if (rs.dirty_bytes == 0)
+      break;
+    usleep (10000);
+  }
+  ck_assert_uint_eq (rs.dirty_bytes, 0);
+  ck_assert_uint_ge (rs.writeback_retries, 1);
+  mem_backing_peek (f.mb, got, sizeof got, off);
+  ck_assert (memcmp (got, new, sizeof got) == 0);
+  f.ro.background = NULL;
+  fx_free (&f);
+}
+END_TEST
+
+struct wb_arg {
+  struct fx *f;
+  int result;
+};
+
+static void *
+writeback_thread_fn (void *arg)
+{
+  struct wb_arg *a = arg;
+  a->result = bcf_req_writeback (a->f->r, &a->f->b);
+  return NULL;
+}
+
+/* A write to a range while its dirty data is being written back: the
+ * write waits for the writeback's backing write (the tracker's
+ * ordering), so the backing store ends with the new data, and the
+ * writeback does not mark the new key clean or write the old data over
+ * it.  Without the ordering the writeback's stale data lands last. */
+static bool
+write_during_writeback (bool ordered)
+{
+  struct fx f;
+  uint8_t old[16384], new[16384], got[16384], back[16384];
+  const uint64_t off = 12 * MiB;
+  struct mem_backing_gate *g;
+  struct writer w;
+  struct wb_arg wa;
+  pthread_t tw, tb;
+  bool agree;
+
+  fx_init (&f, "wbrace.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (old, sizeof old, 0x41);
+  pattern (new, sizeof new, 0x42);
+  crash_with_dirty (&f, old, sizeof old, off);
+  bcf_req_test_disable_ordering (f.r, !ordered);
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                            off, sizeof old);
+  wa = (struct wb_arg) { .f = &f };
+  ck_assert_int_eq (pthread_create (&tb, NULL, writeback_thread_fn, &wa), 0);
+  ck_assert (mem_backing_gate_wait_hit (g, 10000));
+  w = (struct writer) { .f = &f, .buf = new, .len = sizeof new, .off = off };
+  ck_assert_int_eq (pthread_create (&tw, NULL, writer_thread, &w), 0);
+  if (ordered) {
+    usleep (50 * 1000);
+    mem_backing_peek (f.mb, back, sizeof back, off);
+    ck_assert_msg (memcmp (back, new, sizeof back) != 0,
+                   "the write reached the backing store during the "
+                   "writeback of its range");
+    mem_backing_gate_release (g);
+    pthread_join (tb, NULL);
+    pthread_join (tw, NULL);
+  }
+  else {
+    pthread_join (tw, NULL);
+    mem_backing_gate_release (g);
+    pthread_join (tb, NULL);
+  }
+  ck_assert_int_eq (w.result, 0);
+  ck_assert_int_eq (wa.result, 0);
+  mem_backing_peek (f.mb, back, sizeof back, off);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  agree = memcmp (got, back, sizeof got) == 0 &&
+          memcmp (back, new, sizeof back) == 0;
+  if (ordered) {
+    struct bcf_req_stats rs;
+    ck_assert_msg (agree, "cache and backing store disagree after a write "
+                   "during writeback");
+    bcf_req_get_stats (f.r, &rs);
+    ck_assert_uint_eq (rs.dirty_bytes, 0);
+  }
+  fx_free (&f);
+  return agree;
+}
+
+START_TEST (write_during_writeback_ordered)
+{
+  write_during_writeback (true);
+  ck_assert_msg (!write_during_writeback (false),
+                 "without the ordering the writeback's old data should "
+                 "have landed after the write");
+}
+END_TEST
+
+/* Two overlapping writes, W1 parked at its backing write (before or
+ * after the I/O) while W2 comes.  With the ordering (bcf_bypass_wait_turn)
+ * W2 waits for W1, so the backing store sees W1 then W2, and the cache
+ * holds W2's data, before and after a restart.  Without it (the negative
+ * control) W2 runs whole while W1 is parked before its I/O: W2's data
+ * lands first and W1's after it, but the cache keeps W2's, newer than
+ * the export.  Returns whether cache and backing store agreed. */
+static bool
+overlapping_writes (enum bcf_cache_mode mode, enum mem_backing_gate_point when,
+                    bool ordered)
 {
   struct fx f;
   uint8_t a[16384], b[16384], got[16384], back[16384];
@@ -340,31 +593,63 @@ START_TEST (overlapping_writethrough_writes)
   struct mem_backing_gate *g;
   struct writer w1, w2;
   pthread_t t1, t2;
+  bool agree;
 
-  fx_init (&f, "overlap.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  fx_init (&f, "overlap.img", 64 * MiB, mode);
+  bcf_req_test_disable_ordering (f.r, !ordered);
   pattern (a, sizeof a, 0xa1);
   pattern (b, sizeof b, 0xb2);
-  /* W1's backing write lands, then parks. */
-  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_AFTER_IO,
-                            off, sizeof a);
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, when, off, sizeof a);
   w1 = (struct writer) { .f = &f, .buf = a, .len = sizeof a, .off = off };
   ck_assert_int_eq (pthread_create (&t1, NULL, writer_thread, &w1), 0);
   ck_assert (mem_backing_gate_wait_hit (g, 10000));
-  /* W2 runs whole meanwhile: its data lands after W1's. */
+  /* W1 holds its turn: W2 must not reach the backing store. */
   w2 = (struct writer) { .f = &f, .buf = b, .len = sizeof b, .off = off };
   ck_assert_int_eq (pthread_create (&t2, NULL, writer_thread, &w2), 0);
-  pthread_join (t2, NULL);
-  ck_assert_int_eq (w2.result, 0);
-  mem_backing_gate_release (g);
-  pthread_join (t1, NULL);
+  if (ordered) {
+    usleep (50 * 1000);
+    mem_backing_peek (f.mb, back, sizeof back, off);
+    ck_assert_msg (memcmp (back, b, sizeof back) != 0,
+                   "W2 reached the backing store while W1 was in flight");
+    mem_backing_gate_release (g);
+    pthread_join (t1, NULL);
+    pthread_join (t2, NULL);
+  }
+  else {
+    pthread_join (t2, NULL);      /* W2 runs whole meanwhile */
+    mem_backing_gate_release (g);
+    pthread_join (t1, NULL);
+  }
   ck_assert_int_eq (w1.result, 0);
+  ck_assert_int_eq (w2.result, 0);
 
   mem_backing_peek (f.mb, back, sizeof back, off);
-  ck_assert (memcmp (back, b, sizeof back) == 0);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert_msg (memcmp (got, back, sizeof got) == 0,
-                 "the cache holds W1's data but the backing store W2's");
+  agree = memcmp (got, back, sizeof got) == 0;
+  if (ordered) {
+    ck_assert (memcmp (back, b, sizeof back) == 0);
+    ck_assert_msg (agree, "the cache and the backing store disagree");
+    fx_close (&f);
+    fx_open (&f);
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert_msg (memcmp (got, b, sizeof got) == 0,
+                   "after a restart the cache serves other data");
+  }
   fx_free (&f);
+  return agree;
+}
+
+START_TEST (overlapping_writethrough_writes)
+{
+  overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_BEFORE_IO, true);
+  overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_AFTER_IO, true);
+  overlapping_writes (BCF_MODE_WRITEAROUND, MEM_BACKING_BEFORE_IO, true);
+  /* The negative control: without the ordering, W1's data lands last in
+   * the backing store while the cache keeps W2's. */
+  ck_assert_msg (!overlapping_writes (BCF_MODE_WRITETHROUGH,
+                                      MEM_BACKING_BEFORE_IO, false),
+                 "without the ordering the interleaving should leave the "
+                 "cache and the backing store disagreeing");
 }
 END_TEST
 
@@ -568,10 +853,19 @@ START_TEST (device_errors_pass_through)
   ck_assert_uint_ge (rs.device_errors, 4);
   ck_assert (rs.passthrough);
   /* Writes still work (to the backing store only), while the device
-   * cannot even be marked as given up... */
+   * cannot even be marked as given up, where the cache holds nothing a
+   * restart could bring back... */
   pattern (a, sizeof a, 0x78);
-  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 20 * MiB, false),
+                    0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 20 * MiB), 0);
+  ck_assert (memcmp (got, a, sizeof a) == 0);
+  /* ... but not over what it holds: the writes above are in its journal,
+   * and the device could come back and serve them (the man page's one
+   * exception). */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, MiB, false), -EIO);
+  mem_backing_peek (f.mb, got, sizeof got, MiB);
+  pattern (a, sizeof a, 0x77);
   ck_assert (memcmp (got, a, sizeof a) == 0);
   /* ... and once it recovers, the next write (past the 1 ms between
    * attempts) marks it first. */
@@ -1054,9 +1348,14 @@ request_suite (void)
   ADD (seed_race_writearound);
   ADD (seed_race_writethrough);
   ADD (seed_race_warm_writearound);
+  ADD (writethrough_read_during_write);
   ADD (seed_race_happens_without_tracker);
   ADD (miss_before_write_collides);
+  ADD (miss_next_to_write_cached);
   ADD (overlapping_writethrough_writes);
+  ADD (dirty_keys_written_back_after_crash);
+  ADD (writeback_thread_drains);
+  ADD (write_during_writeback_ordered);
   ADD (writethrough_caches_writes);
   ADD (fills_run_without_drain);
   ADD (unaligned_requests);
