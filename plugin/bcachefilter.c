@@ -639,6 +639,10 @@ struct bk {
   nbdkit_next *next;
   uint32_t flags;               /* of the client request (FAST_ZERO) */
   bool fua_native;
+  /* The export can flush.  If it cannot, nbdkit offers no flush to the
+   * clients either, and its writes are as durable as they get: a flush
+   * is a no-op. */
+  bool can_flush;
 };
 
 static int
@@ -679,6 +683,8 @@ bk_flush (void *opaque)
   struct bk *k = opaque;
   int e = 0;
 
+  if (!k->can_flush)
+    return 0;
   return k->next->flush (k->next, 0, &e) == -1 ? bk_err (e) : 0;
 }
 
@@ -718,27 +724,59 @@ static const struct bcf_backing_ops bk_ops = {
   .trim = bk_trim, .zero = bk_zero, .size = bk_size,
 };
 
-/* The size of the export, through a context of our own. */
+/* A context of our own on the export, opened in .after_fork: it tells
+ * the export's size before the cache is opened, and it is the backing
+ * store of the background work (the writeback thread), which has no
+ * client connection to use.  (nbdkit 1.32: prepare and get_size before
+ * any I/O on it, see DESIGN.md "Concurrency".) */
+static nbdkit_next *bg_next;
+static struct bk bg_bk;
+static struct bcf_backing bg_backing;
+
+static void bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
+                     uint32_t flags);
+
 static int64_t
-probe_export_size (nbdkit_backend *backend)
+open_background (nbdkit_backend *backend)
 {
-  nbdkit_next *next = nbdkit_next_context_open (backend, 0, "", 1);
   int64_t size;
 
-  if (!next) {
-    nbdkit_error ("bcachefilter: cannot open the export to learn its size");
+  bg_next = nbdkit_next_context_open (backend, 0, "", 1);
+  if (!bg_next) {
+    nbdkit_error ("bcachefilter: cannot open the export from the filter "
+                  "(to learn its size and for background writes)");
     return -1;
   }
-  if (next->prepare (next) == -1) {
-    nbdkit_next_context_close (next);
+  if (bg_next->prepare (bg_next) == -1) {
+    nbdkit_next_context_close (bg_next);
+    bg_next = NULL;
     return -1;
   }
-  size = next->get_size (next);
-  next->finalize (next);
-  nbdkit_next_context_close (next);
-  if (size < 0)
+  size = bg_next->get_size (bg_next);
+  if (size < 0) {
     nbdkit_error ("bcachefilter: cannot get the size of the export");
+    return -1;
+  }
+  /* nbdkit checks that a context was asked can_X before X is used on it
+   * (a client's connection asks during the handshake; ours must ask
+   * itself), else it aborts. */
+  if (bg_next->can_write (bg_next) == -1 || bg_next->can_trim (bg_next) == -1 ||
+      bg_next->can_zero (bg_next) == -1) {
+    nbdkit_error ("bcachefilter: cannot ask the export what it can do");
+    return -1;
+  }
+  bk_init (&bg_bk, &bg_backing, bg_next, 0);
   return size;
+}
+
+static void
+close_background (void)
+{
+  if (bg_next) {
+    bg_next->finalize (bg_next);
+    nbdkit_next_context_close (bg_next);
+    bg_next = NULL;
+  }
 }
 
 static int ctl_stats (FILE *fp, bool json, char *err, size_t errlen);
@@ -752,17 +790,6 @@ static const struct bcf_ctl_ops ctl_ops = {
   .show_super = ctl_show_super,
 };
 
-/* Fixed-size opaque handed to the engine at open: only .size is called. */
-static struct bk open_bk;
-static int64_t open_size;
-
-static int64_t
-open_size_fn (void *opaque)
-{
-  return open_size;
-}
-
-static const struct bcf_backing_ops open_ops = { .size = open_size_fn };
 
 static int
 filter_after_fork (nbdkit_backend *backend)
@@ -770,12 +797,14 @@ filter_after_fork (nbdkit_backend *backend)
   struct bcf_cache_opts o = { 0 };
   struct bcf_req_opts ro = { 0 };
   char err[512];
+  int64_t size = open_background (backend);
   int r;
 
-  open_size = probe_export_size (backend);
-  if (open_size < 0)
+  if (size < 0) {
+    close_background ();
     return -1;
-  export_size = (uint64_t) open_size;
+  }
+  export_size = (uint64_t) size;
 
   o.path = cfg.path;
   o.claim = claim;               /* created the file if it was missing */
@@ -784,7 +813,7 @@ filter_after_fork (nbdkit_backend *backend)
   o.format = cfg.format;
   o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
-  o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &open_bk };
+  o.backing = bg_backing;
   memcpy (o.backing_uuid, cfg.uuid, 16);
   /* The label is informational and truncated to its 32 bytes. */
   {
@@ -805,12 +834,14 @@ filter_after_fork (nbdkit_backend *backend)
       nbdkit_error ("bcachefilter: this cache belongs to another export; "
                     "give the right bcache-backing-uuid=, or "
                     "bcache-format=force to start an empty cache here");
+    close_background ();
     return -1;
   }
   ro.mode = cfg.mode;
   ro.sequential_cutoff = (uint64_t) cfg.cutoff;
   ro.error_limit = cfg.error_limit;
   ro.error_halflife = cfg.error_halflife;
+  ro.background = &bg_backing;
   req = bcf_req_new (cache, &ro);
   if (!req) {
     nbdkit_error ("bcachefilter: out of memory");
@@ -845,6 +876,7 @@ filter_after_fork (nbdkit_backend *backend)
   req = NULL;
   bcf_cache_close (cache);
   cache = NULL;
+  close_background ();
   return -1;
 }
 
@@ -866,6 +898,7 @@ filter_cleanup (nbdkit_backend *backend)
                     strerror (-r));
     cache = NULL;
   }
+  close_background ();
   bcf_claim_release (claim);
   claim = NULL;
 }
@@ -921,6 +954,7 @@ bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
   k->next = next;
   k->flags = flags;
   k->fua_native = next->can_fua (next) == NBDKIT_FUA_NATIVE;
+  k->can_flush = next->can_flush (next) == 1;
   b->ops = &bk_ops;
   b->opaque = k;
 }
@@ -1158,6 +1192,24 @@ ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
   print_u64 (fp, json, "tracker_in_flight", rs.bypass_in_flight, &first);
   print_u64 (fp, json, "fills_dropped", rs.fills_dropped, &first);
   print_u64 (fp, json, "fill_queue_bytes", rs.fill_queue_bytes, &first);
+  print_u64 (fp, json, "write_inserts", rs.write_inserts, &first);
+  print_u64 (fp, json, "write_collisions", rs.write_collisions, &first);
+  print_u64 (fp, json, "write_waits", rs.write_waits, &first);
+  print_u64 (fp, json, "write_wait_ns", rs.write_wait_ns, &first);
+  print_u64 (fp, json, "write_wait_max_ns", rs.write_wait_max_ns, &first);
+  print_u64 (fp, json, "writes_in_flight_peak", rs.writes_in_flight_peak,
+             &first);
+  print_u64 (fp, json, "tracker_exact_checks", rs.bypass_exact_checks,
+             &first);
+  print_u64 (fp, json, "writeback_keys_done", rs.writeback_keys_done,
+             &first);
+  print_u64 (fp, json, "writeback_keys_failed", rs.writeback_keys_failed,
+             &first);
+  print_u64 (fp, json, "writeback_bytes", rs.writeback_bytes, &first);
+  print_u64 (fp, json, "writeback_backing_errors",
+             rs.writeback_backing_errors, &first);
+  print_u64 (fp, json, "writeback_read_errors", rs.writeback_read_errors,
+             &first);
   if (json)
     fprintf (fp, "}, \"device_errors\": %" PRIu64 "}\n", rs.device_errors);
   return 0;
