@@ -15,7 +15,14 @@
  * device crashes, as when nbdkit's host loses power and the NAS does not.
  * Workloads: writethrough inserts with splits and invalidations; cache-miss
  * fills with checkpoints; a small cache under eviction with GC and journal
- * wrap-around.  TEST_CRASH_STRIDE (default 1) tests every K-th index.
+ * wrap-around; and the request path's writethrough writes on dirty keys
+ * (dirty keys in, durable first where the range held data a crash could
+ * bring back, the backing write, marked clean), after which every block
+ * must read, through the request layer, a value written since the last
+ * flush (in flight or done), the recovery writeback must make the cache
+ * and the backing store agree without changing any block's value, and
+ * every clean extent must equal the backing store.
+ * TEST_CRASH_STRIDE (default 1) tests every K-th index.
  * The seed is printed; TEST_SEED replays.
  *
  * Also here: a block whose bucket was reclaimed and reused is not
@@ -48,6 +55,7 @@
 #include <check.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/request.h"
 #include "engine.h"
 #include "mem-backing.h"
 #include "testlib.h"
@@ -68,12 +76,19 @@ log_cb (void *opaque, enum bcf_log_level level, const char *msg)
     fprintf (stderr, "engine: %s\n", msg);
 }
 
+#define MAX_VALUES 48
+
 /* What the test knows about the cache. */
 struct model {
   uint8_t *shadow;              /* the backing store's contents */
   bool cached[NBLOCKS];         /* cached now, if no crash */
   bool flushed[NBLOCKS];        /* cached as of the last completed flush */
   bool touched[NBLOCKS];        /* changed since the last completed flush */
+  /* Dirty-key writes (W_DIRTY): the values (hashes) a block may read
+   * after a crash: the one at the last completed flush and every one
+   * written since (done or in flight). */
+  uint64_t values[NBLOCKS][MAX_VALUES];
+  unsigned nvalues[NBLOCKS];
 };
 
 struct run {
@@ -260,6 +275,87 @@ step_read_fill (struct run *r, uint64_t blk, uint64_t nb)
   return true;
 }
 
+/* FNV-1a over one block. */
+static uint64_t
+block_hash (const uint8_t *p)
+{
+  uint64_t h = 0xcbf29ce484222325ull;
+
+  for (unsigned i = 0; i < BLOCK; i++)
+    h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* The values of blocks [blk, blk + nb) in buf may be read from now on. */
+static void
+allow_values (struct run *r, uint64_t blk, uint64_t nb, const uint8_t *buf)
+{
+  for (uint64_t i = 0; i < nb; i++) {
+    unsigned *n = &r->m.nvalues[blk + i];
+    ck_assert_uint_lt (*n, MAX_VALUES);
+    r->m.values[blk + i][(*n)++] = block_hash (buf + i * BLOCK);
+  }
+}
+
+static bool
+value_allowed (const struct run *r, uint64_t blk, uint64_t h)
+{
+  for (unsigned i = 0; i < r->m.nvalues[blk]; i++)
+    if (r->m.values[blk][i] == h)
+      return true;
+  return false;
+}
+
+/* A writethrough write of the request path (core/request.c W2-W4), in
+ * one thread: the data as dirty keys, durable first where it must be,
+ * the backing write, marked clean.  No room: invalidated and written
+ * through. */
+static bool
+step_dirty_write (struct run *r, uint64_t blk, uint64_t nb)
+{
+  struct bcf_write w;
+  int e;
+
+  fill (r->buf, nb * BLOCK);
+  allow_values (r, blk, nb, r->buf);
+  mark (r, blk, nb, false);
+  e = bcf_write_begin (r->c, blk * BLOCK, nb * BLOCK, r->buf, &w);
+  if (e == -ENOSPC) {
+    if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
+      return false;
+    ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
+                                        (uint32_t) (nb * BLOCK), blk * BLOCK,
+                                        false), 0);
+    memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+    return true;
+  }
+  if (e != 0)
+    return false;
+  if (bcf_write_durable (r->c, &w) != 0) {
+    bcf_write_release (&w);
+    return false;
+  }
+  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
+                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
+                                      false), 0);
+  memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
+  e = bcf_write_mark_clean (r->c, &w) == (int64_t) (nb * BLOCK) ? 0 : -1;
+  bcf_write_release (&w);
+  if (e == 0)
+    mark (r, blk, nb, true);
+  return true;
+}
+
+/* A write that bypasses the cache, for W_DIRTY (allowed values too). */
+static bool
+step_dirty_bypass (struct run *r, uint64_t blk, uint64_t nb)
+{
+  if (!step_bypass (r, blk, nb))
+    return false;
+  allow_values (r, blk, nb, r->buf);
+  return true;
+}
+
 static bool
 step_flush (struct run *r)
 {
@@ -267,12 +363,18 @@ step_flush (struct run *r)
     return false;
   memcpy (r->m.flushed, r->m.cached, sizeof r->m.flushed);
   memset (r->m.touched, 0, sizeof r->m.touched);
+  /* The backing store is durable: what it holds is what was flushed. */
+  for (uint64_t x = 0; x < NBLOCKS; x++) {
+    r->m.values[x][0] = block_hash (r->m.shadow + x * BLOCK);
+    r->m.nvalues[x] = 1;
+  }
   return true;
 }
 
-enum workload { W_INSERTS, W_FILLS, W_EVICTION, W_COUNT };
+enum workload { W_INSERTS, W_FILLS, W_EVICTION, W_DIRTY, W_COUNT };
 static const char *const wname[] = { "inserts+splits", "fills+checkpoints",
-                                     "eviction+gc+journal-wrap" };
+                                     "eviction+gc+journal-wrap",
+                                     "dirty-key writethrough" };
 
 static void
 workload (struct run *r, enum workload w, unsigned wseed)
@@ -280,6 +382,10 @@ workload (struct run *r, enum workload w, unsigned wseed)
   const unsigned ops = w == W_EVICTION ? 400 : 250;
 
   rng_state = wseed * 0x9E3779B97F4A7C15ull + 11;
+  for (uint64_t x = 0; x < NBLOCKS; x++) {
+    r->m.values[x][0] = block_hash (r->m.shadow + x * BLOCK);
+    r->m.nvalues[x] = 1;
+  }
   for (unsigned op = 0; op < ops; op++) {
     uint64_t blk = rnd_below (NBLOCKS), nb = 1 + rnd_below (8);
     uint64_t what = rnd_below (100);
@@ -300,6 +406,14 @@ workload (struct run *r, enum workload w, unsigned wseed)
             : what < 80 ? step_bypass (r, blk, nb)
             : what < 93 ? step_flush (r)
             : bcf_cache_checkpoint (r->c) == 0;
+      break;
+    case W_DIRTY:
+      alive = what < 60 ? step_dirty_write (r, blk, nb)
+            : what < 75 ? step_read_fill (r, blk, nb)
+            : what < 85 ? step_dirty_bypass (r, blk, nb)
+            : what < 93 ? step_flush (r)
+            : what < 97 ? bcf_cache_checkpoint (r->c) == 0
+            : bcf_gc_run (r->c) == 0;
       break;
     default:
       alive = what < 45 ? step_insert (r, blk, nb)
@@ -355,6 +469,58 @@ check_recovered (struct run *r, enum workload w, uint64_t n)
   }
 }
 
+/* After a crash in W_DIRTY: read everything through the request layer
+ * (dirty hits are the newest data); each block must hold a value written
+ * since the last flush.  Then the recovery writeback, after which the
+ * same values must still be read, the backing store must hold them, no
+ * dirty data may be left, and every clean extent must equal the backing
+ * store. */
+static void
+check_recovered_dirty (struct run *r, uint64_t n)
+{
+  struct bcf_req_opts ro = { .mode = BCF_MODE_WRITETHROUGH };
+  struct bcf_req_stats rs;
+  uint8_t *first = malloc (BACKING), *again = malloc (BACKING);
+  struct bcf_req *q;
+  char report[4096];
+  int problems = bcf_cache_fsck (r->c, report, sizeof report);
+
+  ck_assert_msg (problems == 0, "seed %u workload %s cut at write %" PRIu64
+                 ": fsck found %d problems:\n%s", seed, wname[W_DIRTY], n,
+                 problems, report);
+  q = bcf_req_new (r->c, &ro);
+  ck_assert_ptr_nonnull (q);
+  for (uint64_t off = 0; off < BACKING; off += 64 * BLOCK)
+    ck_assert_int_eq (bcf_req_read (q, &r->b, first + off, 64 * BLOCK, off),
+                      0);
+  for (uint64_t x = 0; x < NBLOCKS; x++)
+    ck_assert_msg (value_allowed (r, x, block_hash (first + x * BLOCK)),
+                   "seed %u workload %s cut at write %" PRIu64 ": block %"
+                   PRIu64 " reads a value older than the last flush (I2)",
+                   seed, wname[W_DIRTY], n, x);
+  ck_assert_int_eq (bcf_req_writeback (q, &r->b), 0);
+  bcf_req_get_stats (q, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, 0);
+  for (uint64_t off = 0; off < BACKING; off += 64 * BLOCK)
+    ck_assert_int_eq (bcf_req_read (q, &r->b, again + off, 64 * BLOCK, off),
+                      0);
+  ck_assert_msg (memcmp (first, again, BACKING) == 0,
+                 "seed %u workload %s cut at write %" PRIu64 ": a block "
+                 "reads another value after the writeback", seed,
+                 wname[W_DIRTY], n);
+  mem_backing_peek (r->mb, again, BACKING, 0);
+  ck_assert_msg (memcmp (first, again, BACKING) == 0,
+                 "seed %u workload %s cut at write %" PRIu64 ": after the "
+                 "writeback the backing store differs from what was read",
+                 seed, wname[W_DIRTY], n);
+  bcf_req_free (q);
+  memcpy (r->m.shadow, again, BACKING);
+  check_hits_equal_backing (r, "seed %u workload %s cut at write %" PRIu64,
+                            seed, wname[W_DIRTY], n);
+  free (first);
+  free (again);
+}
+
 /* Writes a workload makes to the cache device, without faults. */
 static uint64_t
 count_writes (enum workload w, uint64_t cache_bytes, unsigned bucket)
@@ -394,7 +560,10 @@ crash_workload (enum workload w)
     bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
     workload (&r, w, seed);
     run_crash_reopen (&r, seed ^ n, BCF_IO_CRASH_RANDOM);
-    check_recovered (&r, w, n);
+    if (w == W_DIRTY)
+      check_recovered_dirty (&r, n);
+    else
+      check_recovered (&r, w, n);
     run_free (&r);
     tested++;
   }
@@ -409,6 +578,8 @@ END_TEST
 START_TEST (test_crash_fills) { crash_workload (W_FILLS); }
 END_TEST
 START_TEST (test_crash_eviction) { crash_workload (W_EVICTION); }
+END_TEST
+START_TEST (test_crash_dirty) { crash_workload (W_DIRTY); }
 END_TEST
 
 /* ---- journal recovery edge cases ------------------------------------------- */
@@ -1058,6 +1229,7 @@ main (void)
   add (s, "crash_inserts", test_crash_inserts);
   add (s, "crash_fills", test_crash_fills);
   add (s, "crash_eviction", test_crash_eviction);
+  add (s, "crash_dirty", test_crash_dirty);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);
   add (s, "stale_drop_crash", test_stale_drop_crash);
