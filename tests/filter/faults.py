@@ -290,13 +290,9 @@ def session(s):
 def main():
     errors(False)
     if args.init:
-        c = sh.Client(args.remote, "init")
-        size = c.get_size()
-        c.close()
-        data = random.Random(args.seed).randbytes(size)
-        sh.write_all(args.remote, 0, data, "init")
-        sh.Shadow(size, durability, data).save(args.state)
-        say("initialised the remote (%d bytes) and the model" % size)
+        s = sh.init_remote(args.remote, args.seed, durability)
+        s.save(args.state)
+        say("initialised the remote (%d bytes) and the model" % s.size)
         return 0
     s = sh.Shadow.load(args.state, durability)
     t0 = time.monotonic()

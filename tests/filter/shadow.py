@@ -380,6 +380,17 @@ class Client:
                 pass
 
 
+def init_remote(sock, seed, durability="acked"):
+    """Fill the export at sock (directly: the remote) with random data
+    of the seed; returns the Shadow that holds it."""
+    c = Client(sock, "init")
+    size = c.get_size()
+    c.close()
+    data = random.Random(seed).randbytes(size)
+    write_all(sock, 0, data, "init")
+    return Shadow(size, durability, data)
+
+
 def check_export(s, proxy, remote, crash=True, alive=None):
     """Read the whole export through the proxy and check it against the
     model s (as after a crash, or as during a run); with a remote socket,

@@ -34,7 +34,6 @@
 # is not saved: rerun with the seed).
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -84,17 +83,12 @@ def alive():
 
 
 def init():
-    c = sh.Client(args.remote, "init")
-    size = c.get_size()
-    c.close()
-    data = random.Random(args.seed).randbytes(size)
     try:
-        sh.write_all(args.remote, 0, data, "init")
+        s = sh.init_remote(args.remote, args.seed, durability)
     except RuntimeError as e:
         fail("init: %s" % e)
-    s = sh.Shadow(size, durability, data)
     s.save(args.state)
-    say("initialised the remote (%d bytes) and the model" % size)
+    say("initialised the remote (%d bytes) and the model" % s.size)
 
 
 def verify(s):
