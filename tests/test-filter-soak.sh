@@ -15,7 +15,8 @@
 #         journal) in front of the 32 MiB export, so that buckets are
 #         reclaimed, GC runs and the journal fills (checkpoints) many
 #         times a second; each round picks a journal delay (1, 10 or 100
-#         ms) and a sequential cutoff (4M or 64K) at random.
+#         ms), a sequential cutoff (4M or 64K) and the cache I/O (io_uring
+#         where the kernel allows it, or pread/pwrite) at random.
 #
 # A round (tests/filter/soak.py, the model in tests/filter/shadow.py):
 #  1. start the proxy on the cache the last round left after its kill;
@@ -25,7 +26,8 @@
 #     the export read directly; that view is the truth from then on;
 #  3. 4 libnbd connections, 4 requests in flight each, of random reads
 #     (each checked), writes (some FUA), zeroes, trims, NBD_CMD_CACHE and
-#     flushes; sometimes a GC is triggered through the control socket;
+#     flushes; half-way to the kill, sometimes a GC is triggered or the
+#     mode switched (to one of $runtime_modes) through the control socket;
 #  4. kill -9 of the proxy at a random moment: usually 0.1 to 3 s into
 #     the workload, sometimes within 0.5 s of its start (while step 2
 #     reads, or the cache is being filled);
@@ -36,9 +38,9 @@
 # Rounds run for BCACHEFILTER_SOAK_SECONDS (default 45) seconds in all,
 # shared by the modes, at least 2 per mode (about a minute with the last
 # round and the final checks); then a clean restart, a GC and a last
-# verification, and a clean stop.  The test also checks that
-# it tested something: the killed caches held cached extents, and
-# checkpoints and GC passes ran beyond those at start.
+# verification, and a clean stop.  The test also checks that it tested
+# something: the killed caches held cached extents, checkpoints and GC
+# passes ran beyond those at start, and the cache served hits.
 #
 # The modes are the list $modes.  For writeback (not supported yet) add
 # the word, and the checks are already those it needs: soak.py then
@@ -46,8 +48,9 @@
 # flush may be lost in a crash, and the export is not the truth until
 # writeback completed), so after a restart each byte must hold the value
 # of the last flush or FUA covering it, or of any later write; the
-# export is compared only after the dirty data drained (the mode set to
-# writethrough through the control socket and dirty_data at 0).
+# export is compared only after the dirty data drained (drain_writeback:
+# the mode set to writethrough through the control socket, dirty_data at
+# 0).
 #
 # The seed is printed; TEST_SEED=N replays its workloads and kill times
 # (the number of rounds depends on the machine's speed).
@@ -63,6 +66,10 @@ requires bcachefilter-show --version
 requires bcachefilter-ctl --version
 
 modes="writethrough writearound none"
+# Modes a round may switch to at run time (bcachefilter-ctl set
+# cache_mode): those in which the export is the truth, so the checks of
+# the round's own mode still hold.
+runtime_modes=(writethrough writearound none)
 budget="${BCACHEFILTER_SOAK_SECONDS:-45}"
 seed="${TEST_SEED:-$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}"
 echo "$0: seed $seed (rerun with TEST_SEED=$seed), $budget s"
@@ -129,8 +136,8 @@ check_killed_cache ()
     fi
 }
 
-# sample_stats ROUND: add the running proxy's checkpoints (beyond the
-# one at open), GC passes and hits to the totals.
+# sample_stats: add the running proxy's checkpoints (beyond the one at
+# open), GC passes and hits to the totals.
 checkpoints=0 gc_passes=0 hits=0
 sample_stats ()
 {
@@ -143,19 +150,29 @@ sample_stats ()
     hits=$((hits + $(json_get "$d/stats.json" 'd["cache_hits"]')))
 }
 
-# drain MODE: in writeback, write the dirty data back before the export
-# is compared.
-drain ()
+# drain_writeback: after the writeback rounds, on a fresh proxy: its view
+# must be the model's; once the dirty data is written back (the mode set
+# to writethrough, dirty_data at 0) it must equal the export too.
+drain_writeback ()
 {
     local i dirty
-    [ "$1" = writeback ] || return 0
+    rm -f "$ctl"
+    start_proxy p bcache="$cache" bcache-mode=writeback bcache-ctl="$ctl"
+    soak --mode writeback --verify-only --label "writeback, before draining" ||
+        fail "writeback: the proxy's view is wrong after the last kill" \
+             "(seed $seed)"
     bcachefilter-ctl -s "$ctl" set cache_mode writethrough
     for (( i = 0; i < 600; i++ )); do
         dirty=$(ctl_stat "$ctl" dirty_data)
-        [ "$dirty" -eq 0 ] && return 0
+        [ "$dirty" -eq 0 ] && break
         sleep 0.1
     done
-    fail "writeback did not drain in 60 s ($dirty bytes dirty)"
+    test "$dirty" -eq 0 || fail "writeback did not drain in 60 s ($dirty" \
+                                "bytes dirty)"
+    soak --mode writeback --verify-only --export-truth \
+        --label "writeback, drained" ||
+        fail "writeback: after draining, the export differs (seed $seed)"
+    stop_nbdkit "$p_pid"
 }
 
 soak --mode writethrough --init --seed "$seed"
@@ -170,10 +187,12 @@ for mode in $modes; do
         mode_rounds=$((mode_rounds + 1))
         jdelay=$(( (RANDOM % 3 == 0) ? 1 : (RANDOM % 2 ? 10 : 100) ))
         cutoff=$(( RANDOM % 3 == 0 ? 65536 : 4194304 ))
+        if [ $((RANDOM % 2)) -eq 0 ]; then io=auto; else io=sync; fi
         rm -f "$ctl" "$d/started"
         start_proxy p bcache="$cache" bcache-size=8M bcache-bucket-size=32K \
             bcache-block-size=4k bcache-mode="$mode" bcache-ctl="$ctl" \
-            bcache-journal-delay="$jdelay" bcache-sequential-cutoff="$cutoff"
+            bcache-journal-delay="$jdelay" bcache-sequential-cutoff="$cutoff" \
+            bcache-io="$io"
         rseed=$((seed * 1000 + round))
         soak --mode "$mode" --seed "$rseed" --seconds 30 \
             --started "$d/started" --label "round $round $mode" &
@@ -181,8 +200,8 @@ for mode in $modes; do
 
         if [ $((RANDOM % 7)) -eq 0 ]; then
             when=$((RANDOM % 500))
-            echo "$0: round $round ($mode, seed $rseed): kill -9 ${when} ms" \
-                 "after the start"
+            echo "$0: round $round ($mode, seed $rseed, io $io): kill -9" \
+                 "${when} ms after the start"
             sleep_ms "$when"
         else
             for (( i = 0; i < 600; i++ )); do
@@ -191,16 +210,20 @@ for mode in $modes; do
                 sleep 0.1
             done
             when=$((100 + RANDOM % 2900))
-            gc=$((RANDOM % 2))
-            echo "$0: round $round ($mode, seed $rseed): kill -9 ${when} ms" \
-                 "into the workload$([ "$gc" -eq 0 ] || echo ", a GC triggered")"
-            if [ "$gc" -eq 1 ]; then
-                sleep_ms $((when / 2))
-                timeout 10 bcachefilter-ctl -s "$ctl" trigger-gc || true
-                sleep_ms $((when - when / 2))
-            else
-                sleep_ms "$when"
+            # Half-way: nothing, a GC, or a switch to another mode.
+            act=() what=
+            case $((RANDOM % 3)) in
+                1) act=(trigger-gc) what=", a GC triggered" ;;
+                2) to=${runtime_modes[RANDOM % ${#runtime_modes[@]}]}
+                   act=(set cache_mode "$to") what=", switched to $to" ;;
+            esac
+            echo "$0: round $round ($mode, seed $rseed, io $io): kill -9" \
+                 "${when} ms into the workload$what"
+            sleep_ms $((when / 2))
+            if [ "${#act[@]}" -gt 0 ]; then
+                timeout 10 bcachefilter-ctl -s "$ctl" "${act[@]}" || true
             fi
+            sleep_ms $((when - when / 2))
             sample_stats
         fi
         crash_nbdkit "$p_pid"
@@ -214,7 +237,9 @@ for mode in $modes; do
         esac
         check_killed_cache "$round"
     done
-    drain "$mode"
+    if [ "$mode" = writeback ]; then
+        drain_writeback
+    fi
 done
 
 # A clean restart: the same data, before and after a GC; a clean stop.

@@ -132,7 +132,8 @@ def main():
         s.save(args.state)
     for m in w.problems:
         print("soak[%s]: FAIL: %s" % (label, m), file=sys.stderr)
-    say("seed %d: %s in %.1f s%s; %d bytes of writes in flight"
+    say("seed %d: %s in %.1f s%s; %d bytes of in-flight or unflushed "
+        "writes"
         % (args.seed, w.summary(), w.elapsed,
            " (the proxy was killed)" if w.gone else "",
            s.uncertain_bytes()))
