@@ -61,6 +61,12 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   pthread_mutex_init (&c->ckpt_lock, NULL);
   pthread_mutex_init (&c->stats.time_lock, NULL);
   gc_init (c);
+  if ((r = intent_init (c)) < 0) {
+    gc_free (c);
+    intent_free (c);
+    free (c);
+    return r;
+  }
 
   io.path = opts->path;
   io.readonly = opts->readonly;
@@ -87,6 +93,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
     super_close_state (c);
   bcf_io_close (c->io);
   gc_free (c);
+  intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
@@ -103,6 +110,7 @@ bcf_cache_close (struct bcf_cache *c)
     return 0;
   bcf_cache_stop_threads (c);
   if (!c->failed && !c->opts.readonly) {
+    intent_clear_all (c);       /* a clean close leaves no marks */
     pthread_mutex_lock (&c->ckpt_lock);
     r = btree_checkpoint (c);
     pthread_mutex_unlock (&c->ckpt_lock);
@@ -112,6 +120,7 @@ bcf_cache_close (struct bcf_cache *c)
   if (r == 0)
     r = r2;
   gc_free (c);
+  intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
@@ -166,6 +175,7 @@ bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode)
   c->io = NULL;
   super_close_state (c);
   gc_free (c);
+  intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
@@ -276,6 +286,10 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->read_races = atomic_load (&c->stats.read_races);
   st->inserts = atomic_load (&c->stats.inserts);
   st->dirty_inserts = atomic_load (&c->stats.dirty_inserts);
+  st->intent_regions = intent_marked (c);
+  st->intent_marks = atomic_load (&c->stats.intent_marks);
+  st->intent_clears = atomic_load (&c->stats.intent_clears);
+  st->intent_dropped = atomic_load (&c->stats.intent_dropped);
   st->invalidates = atomic_load (&c->stats.invalidates);
   st->device_errors = atomic_load (&c->stats.device_errors);
   st->gc_passes = atomic_load (&c->stats.gc_passes);
@@ -342,6 +356,7 @@ journal_thread (void *arg)
     if (c->failed)
       continue;
     bcf_flush (c);
+    intent_tick (c, INTENT_QUIET_MS * 1000000ull);
     if ((journal_used_percent (c) >= 50 && journal_has_new_entries (c)) ||
         checkpoint_due (c))
       bcf_cache_checkpoint (c);

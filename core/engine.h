@@ -428,6 +428,43 @@ int gc_init (struct bcf_cache *c);
 void gc_request (struct bcf_cache *c);
 void gc_free (struct bcf_cache *c);
 
+/* ---- Write-intent regions (intent.c) ------------------------------------------- */
+
+#define INTENT_INODE 0xffffeull           /* beyond every uuid slot */
+#define INTENT_REGION_SECTORS 32768ull    /* 16 MiB (fits KEY_SIZE) */
+#define INTENT_QUIET_MS 5000              /* idle before a mark is cleared */
+
+struct region;
+
+struct intent {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;          /* a region changed state */
+  struct region **hash;         /* marked regions, by index */
+  unsigned nregions;
+};
+
+int intent_init (struct bcf_cache *c);
+void intent_free (struct bcf_cache *c);
+/* Sectors [start, end) of a write whose dirty keys are inserted: make
+ * the regions of the range durably marked (a journal wait for a region
+ * not marked yet), counting the write in them until intent_write_end.
+ * Then the write needs no journal wait before its backing write.
+ * Returns 0 or -errno (then nothing is counted). */
+int intent_write_begin (struct bcf_cache *c, uint64_t start, uint64_t end);
+void intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end);
+/* Clear the marks of regions no write holds that have been quiet for
+ * quiet_ns (the journal thread; 0 at close).  No lock held. */
+void intent_tick (struct bcf_cache *c, uint64_t quiet_ns);
+void intent_clear_all (struct bcf_cache *c);
+/* Regions marked now; intent_list: their numbers (up to max). */
+unsigned intent_marked (struct bcf_cache *c);
+unsigned intent_list (struct bcf_cache *c, uint64_t *out, unsigned max);
+/* Open, after the journal replay: drop the clean keys of every region a
+ * mark survived in (they may be older than the backing store), keep its
+ * dirty keys, clear the marks.  *regions, *dropped: how many. */
+int intent_recover (struct bcf_cache *c, uint64_t *regions,
+                    uint64_t *dropped);
+
 /* ---- The cache set -------------------------------------------------------------- */
 
 struct bcf_cache {
@@ -449,6 +486,7 @@ struct bcf_cache {
   struct alloc_state alloc;
   struct journal journal;
   struct gc_state gc;
+  struct intent intent;
 
   /* The root the newest durable journal entry points to. */
   struct ckey committed_root;
@@ -486,6 +524,7 @@ struct bcf_cache {
   struct {
     atomic_uint_fast64_t miss_collisions, read_races;
     atomic_uint_fast64_t inserts, invalidates, device_errors, dirty_inserts;
+    atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                          checkpoint;

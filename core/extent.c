@@ -830,11 +830,18 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     /* What is in went in journalled: take it out the same way; the
      * caller invalidates the whole range durably anyway. */
     bcf_invalidate (c, offset, len, false);
-    bcf_write_release (w);
+    bcf_write_release (c, w);
     return r;
   }
   w->seq = d.seq;
   w->ordered = d.ordered;
+  /* A durable write-intent mark on the range makes the journal wait
+   * unnecessary (intent.c): asked for after the keys are in. */
+  if (w->ordered && !c->opts.write_intent_off &&
+      intent_write_begin (c, s, e) == 0) {
+    w->ordered = false;
+    w->intent = true;
+  }
   atomic_fetch_add (&c->stats.dirty_inserts, 1);
   return 0;
 }
@@ -878,8 +885,12 @@ bcf_write_undo (struct bcf_cache *c, struct bcf_write *w)
 }
 
 void
-bcf_write_release (struct bcf_write *w)
+bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
 {
+  if (w->intent)
+    intent_write_end (c, w->offset >> BCH_SECTOR_SHIFT,
+                      (w->offset + w->len) >> BCH_SECTOR_SHIFT);
+  w->intent = false;
   if (w->ptrs && w->ptrs != w->inline_ptrs)
     free (w->ptrs);
   w->ptrs = NULL;

@@ -14,7 +14,15 @@
  *     prio, uuid, btree node): that would mean a bucket was reused while
  *     still referenced;
  *   - bucket accounting: no pointer carries a gen newer than its bucket's
- *     (bcache's "pointer from the future").
+ *     (bcache's "pointer from the future");
+ *   - dirty data: every live dirty extent's bucket is marked dirty (a
+ *     bucket marked otherwise could be reclaimed under data that exists
+ *     nowhere else), no dirty extent's pointer is stale unless a replay
+ *     brought it back (GC drops those: written back before a crash lost
+ *     its clean mark), and the dirty-data counter equals the extents'
+ *     sum;
+ *   - write-intent marks (intent.c): keys of INTENT_INODE are region-
+ *     sized placeholders at region boundaries.
  * Problems are appended to the report, one per line; the count is
  * returned.
  *
@@ -36,6 +44,8 @@ struct fsck_ctx {
   size_t len, used;
   unsigned problems;
   uint8_t *node_bucket;       /* 1 per bucket holding a node */
+  uint64_t dirty_sectors;     /* live dirty extents, summed */
+  uint64_t intent_marks;
 };
 
 static void __attribute__ ((format (printf, 2, 3)))
@@ -147,6 +157,8 @@ check_leaf_pointers (struct bcf_cache *c, struct btree_node *n, void *opaque)
                b);
       continue;
     }
+    if (ckey_dirty (k))
+      f->dirty_sectors += ckey_size (k);
     gen = c->alloc.buckets[b].gen;
     if (gen != PTR_GEN (k->ptr)) {
       if (bch_gen_after (PTR_GEN (k->ptr), gen))
@@ -158,6 +170,31 @@ check_leaf_pointers (struct bcf_cache *c, struct btree_node *n, void *opaque)
     if (c->alloc.buckets[b].mark == GC_MARK_METADATA)
       problem (f, "live extent %" PRIu64 "+%" PRIu64 " points into "
                "metadata bucket %" PRIu64, ckey_start (k), ckey_size (k), b);
+    else if (ckey_dirty (k) && c->alloc.buckets[b].mark != GC_MARK_DIRTY)
+      problem (f, "dirty extent %" PRIu64 "+%" PRIu64 " lies in bucket %"
+               PRIu64 ", which is not marked dirty (it could be reclaimed)",
+               ckey_start (k), ckey_size (k), b);
+  }
+  return 0;
+}
+
+static int
+check_intent_marks (struct bcf_cache *c, struct btree_node *n, void *opaque)
+{
+  struct fsck_ctx *f = opaque;
+
+  if (n->level > 0)
+    return 0;
+  for (size_t i = 0; i < n->keys.nr; i++) {
+    const struct ckey *k = &n->keys.k[i];
+
+    if (ckey_inode (k) != INTENT_INODE)
+      continue;
+    f->intent_marks++;
+    if (!ckey_is_check (k) || ckey_size (k) != INTENT_REGION_SECTORS ||
+        ckey_end (k) % INTENT_REGION_SECTORS || ckey_dirty (k))
+      problem (f, "write-intent mark %" PRIu64 "+%" PRIu64 " is not a "
+               "region placeholder", ckey_start (k), ckey_size (k));
   }
   return 0;
 }
@@ -178,6 +215,11 @@ bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len)
   if (c->tree.root)
     check_subtree (c, &f, c->tree.root, NULL);
   btree_visit (c, check_leaf_pointers, &f);
+  btree_visit (c, check_intent_marks, &f);
+  if (f.dirty_sectors != btree_dirty_sectors (c))
+    problem (&f, "the dirty-data counter says %" PRIu64 " sectors, the "
+             "extents hold %" PRIu64, btree_dirty_sectors (c),
+             f.dirty_sectors);
   pthread_mutex_unlock (&c->alloc.lock);
   pthread_rwlock_unlock (&c->tree_lock);
   free (f.node_bucket);

@@ -296,7 +296,9 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   pthread_mutex_lock (&j->lock);
   j->writing = false;
   if (r == 0) {
-    j->durable_seq = seq;
+    /* Atomic: the dirty-write path reads it without the lock (a hint
+     * whether an entry may still be pending: extent.c). */
+    __atomic_store_n (&j->durable_seq, seq, __ATOMIC_RELAXED);
     j->writes++;
   }
   else {

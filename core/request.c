@@ -1058,13 +1058,13 @@ cache_write (struct bcf_req *r, struct span s, struct span in,
      * served (they may survive a restart only if the journal that is
      * failing still takes them). */
     bcf_write_undo (r->c, w);
-    bcf_write_release (w);
+    bcf_write_release (r->c, w);
     return rc;
   }
   if (cache_off (r)) {
     /* Given up meanwhile (abandoned): the data need not be kept. */
     bcf_write_undo (r->c, w);
-    bcf_write_release (w);
+    bcf_write_release (r->c, w);
     return 0;
   }
   return 1;
@@ -1086,7 +1086,7 @@ complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc)
       cache_update_failed (r);
     atomic_fetch_add (&r->write_collisions, 1);
   }
-  bcf_write_release (w);
+  bcf_write_release (r->c, w);
 }
 
 int

@@ -405,6 +405,26 @@ replay_one (struct bcf_cache *c, const struct ckey *k, uint64_t seq,
   return r;
 }
 
+/* Write-intent marks a crash left (intent.c): the clean data of their
+ * regions may be older than the export; drop it, and say so. */
+static int
+recover_intent (struct bcf_cache *c)
+{
+  uint64_t regions, dropped;
+  int r = intent_recover (c, &regions, &dropped);
+
+  if (regions)
+    bcf_log (c, BCF_LOG_WARN, "%s: %" PRIu64 " write-intent region%s of 16 "
+             "MiB %s marked when the cache was last used (a crash, or a "
+             "stop without a clean close): dropped %" PRIu64 " clean "
+             "extent%s there, which may be older than the export; dirty "
+             "data is kept", bcf_io_path (c->io), regions,
+             regions == 1 ? "" : "s", regions == 1 ? "was" : "were", dropped,
+             dropped == 1 ? "" : "s");
+  atomic_fetch_add (&c->stats.intent_dropped, dropped);
+  return r;
+}
+
 static int
 open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 {
@@ -493,6 +513,7 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   if ((r = alloc_prio_write (c)) < 0 ||
       (bch_uuid_is_zero (u.uuid) &&
        (our_uuid_entry (c, &u), (r = uuid_write (c, &u)) < 0)) ||
+      (r = recover_intent (c)) < 0 ||
       (r = btree_checkpoint (c)) < 0) {
     snprintf (err, errlen, "opening %s: writing metadata: %s",
               bcf_io_path (c->io), strerror (-r));

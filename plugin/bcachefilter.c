@@ -79,6 +79,7 @@ static struct {
   const char *ctl_path;                 /* bcache-ctl= */
   int64_t node_cache;                   /* bcache-node-cache= */
   unsigned journal_delay_ms;            /* bcache-journal-delay= */
+  bool write_intent;                    /* bcache-write-intent= */
   unsigned error_limit;                 /* bcache-error-limit= */
   uint64_t error_halflife;              /* bcache-error-halflife= */
   bool test_no_tracker;                 /* bcache-test-disable-tracker= */
@@ -87,6 +88,7 @@ static struct {
   .mode = BCF_MODE_WRITETHROUGH,
   .cutoff = DEFAULT_CUTOFF,
   .direct = true,
+  .write_intent = true,
 };
 
 /* The plugin's parameters that name the export, hashed in order into the
@@ -311,6 +313,8 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       return -1;
     }
   }
+  else if (strcmp (key, "bcache-write-intent") == 0)
+    return parse_bool_param (key, value, &cfg.write_intent);
   else if (strcmp (key, "bcache-error-limit") == 0) {
     if (nbdkit_parse_unsigned (key, value, &cfg.error_limit) == -1)
       return -1;
@@ -381,6 +385,7 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
   "bcache-ctl=PATH             control socket (bcachefilter-ctl)\n" \
   "bcache-node-cache=SIZE      btree node cache memory bound (256M)\n" \
   "bcache-journal-delay=MS     journal batching delay (100)\n" \
+  "bcache-write-intent=BOOL    write-intent regions (true)\n" \
   "bcache-error-limit=N        device errors before passing through (64)\n" \
   "bcache-error-halflife=N     I/Os after which an error counts half\n" \
   "                            (1000000; 0 = errors never decay)\n" \
@@ -825,6 +830,7 @@ filter_after_fork (nbdkit_backend *backend)
   }
   o.node_cache_bytes = (size_t) cfg.node_cache;
   o.journal_delay_ms = cfg.journal_delay_ms;
+  o.write_intent_off = !cfg.write_intent;
   o.log = engine_log;
 
   r = bcf_cache_open (&o, &cache, err, sizeof err);
@@ -1175,6 +1181,11 @@ ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
   print_u64 (fp, json, "journal_last_seq", st.journal_last_seq, &first);
   print_u64 (fp, json, "journal_writes", st.journal_writes, &first);
   print_u64 (fp, json, "inserts", st.inserts, &first);
+  print_u64 (fp, json, "dirty_inserts", st.dirty_inserts, &first);
+  print_u64 (fp, json, "intent_regions", st.intent_regions, &first);
+  print_u64 (fp, json, "intent_marks", st.intent_marks, &first);
+  print_u64 (fp, json, "intent_clears", st.intent_clears, &first);
+  print_u64 (fp, json, "intent_dropped", st.intent_dropped, &first);
   print_u64 (fp, json, "invalidates", st.invalidates, &first);
   print_u64 (fp, json, "gc_passes", st.gc_passes, &first);
   print_u64 (fp, json, "gc_slices", st.gc_slices, &first);

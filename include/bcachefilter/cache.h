@@ -77,6 +77,11 @@ struct bcf_cache_opts {
   size_t node_cache_bytes;        /* memory bound of the btree node cache;
                                      0 = 256 MiB */
   unsigned journal_delay_ms;      /* leaf-insert batching; 0 = 100 */
+  /* Write-intent regions (core/intent.c): a write to data the cache
+   * holds waits for the journal only the first time in a 16 MiB region;
+   * after a crash, the clean data of regions marked then is dropped.
+   * Off: every such write waits for its dirty keys' journal entry. */
+  bool write_intent_off;
   unsigned checkpoint_interval_ms;  /* the btree is written at least this
                                        often while it has unwritten keys
                                        (background threads); 0 = 30000 */
@@ -254,7 +259,9 @@ struct bcf_write {
   uint64_t seq;               /* the journal entry holding the keys */
   bool ordered;               /* the range may hold data a crash could
                                  bring back: durable before the backing
-                                 write */
+                                 write (false once a write-intent mark
+                                 covers it) */
+  bool intent;                /* counted in its write-intent regions */
   unsigned npieces;           /* keys: one per allocation */
   uint64_t *ptrs;             /* their pointers */
   uint64_t inline_ptrs[BCF_WRITE_INLINE];
@@ -273,7 +280,7 @@ int bcf_write_undo (struct bcf_cache *c, struct bcf_write *w);
 /* Returns the bytes marked clean (fewer than w->len if newer writes
  * replaced part of it), or -errno. */
 int64_t bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w);
-void bcf_write_release (struct bcf_write *w);
+void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
 
 /* ---- Dirty data (writeback) ---------------------------------------------- */
 
@@ -325,6 +332,10 @@ struct bcf_cache_stats {
   uint64_t miss_collisions, read_races;   /* hits and misses: stats.h */
   uint64_t inserts;              /* data inserted: fills, bcf_insert */
   uint64_t dirty_inserts;        /* writes inserted as dirty keys */
+  uint64_t intent_regions;       /* write-intent regions marked now */
+  uint64_t intent_marks, intent_clears;   /* ... set and cleared */
+  uint64_t intent_dropped;       /* clean extents dropped at open in regions
+                                    a crash left marked */
   uint64_t invalidates;          /* bcf_invalidate calls */
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

@@ -66,6 +66,8 @@
 
 static unsigned seed;
 static char tmpdir[256];
+/* The caches opened by run_init have the write-intent regions off. */
+static bool runs_without_intent;
 
 
 static void
@@ -141,6 +143,7 @@ run_init_policy (struct run *r, const char *name, uint64_t cache_bytes,
   r->opts.backing = r->b;
   memcpy (r->opts.backing_uuid, "crash-test-uuid!", 16);
   r->opts.direct_off = true;   /* the crash model works on the file */
+  r->opts.write_intent_off = runs_without_intent;
   r->opts.log = log_cb;
   run_open (r, BCF_FORMAT_AUTO, true);
 }
@@ -332,7 +335,7 @@ step_dirty_write (struct run *r, uint64_t blk, uint64_t nb)
   if (e != 0)
     return false;
   if (bcf_write_durable (r->c, &w) != 0) {
-    bcf_write_release (&w);
+    bcf_write_release (r->c, &w);
     return false;
   }
   ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
@@ -340,7 +343,7 @@ step_dirty_write (struct run *r, uint64_t blk, uint64_t nb)
                                       false), 0);
   memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
   e = bcf_write_mark_clean (r->c, &w) == (int64_t) (nb * BLOCK) ? 0 : -1;
-  bcf_write_release (&w);
+  bcf_write_release (r->c, &w);
   if (e == 0)
     mark (r, blk, nb, true);
   return true;
@@ -371,15 +374,24 @@ step_flush (struct run *r)
   return true;
 }
 
-enum workload { W_INSERTS, W_FILLS, W_EVICTION, W_DIRTY, W_COUNT };
+enum workload { W_INSERTS, W_FILLS, W_EVICTION, W_DIRTY, W_DIRTY_NOINTENT,
+                W_COUNT };
 static const char *const wname[] = { "inserts+splits", "fills+checkpoints",
                                      "eviction+gc+journal-wrap",
-                                     "dirty-key writethrough" };
+                                     "dirty-key writethrough",
+                                     "dirty-key writethrough, no write-intent "
+                                     "regions" };
+
+static bool
+dirty_workload (enum workload w)
+{
+  return w == W_DIRTY || w == W_DIRTY_NOINTENT;
+}
 
 static void
 workload (struct run *r, enum workload w, unsigned wseed)
 {
-  const unsigned ops = w == W_EVICTION ? 400 : 250;
+  const unsigned ops = w == W_EVICTION ? 400 : dirty_workload (w) ? 150 : 250;
 
   rng_state = wseed * 0x9E3779B97F4A7C15ull + 11;
   for (uint64_t x = 0; x < NBLOCKS; x++) {
@@ -408,6 +420,7 @@ workload (struct run *r, enum workload w, unsigned wseed)
             : bcf_cache_checkpoint (r->c) == 0;
       break;
     case W_DIRTY:
+    case W_DIRTY_NOINTENT:
       alive = what < 60 ? step_dirty_write (r, blk, nb)
             : what < 75 ? step_read_fill (r, blk, nb)
             : what < 85 ? step_dirty_bypass (r, blk, nb)
@@ -476,7 +489,7 @@ check_recovered (struct run *r, enum workload w, uint64_t n)
  * dirty data may be left, and every clean extent must equal the backing
  * store. */
 static void
-check_recovered_dirty (struct run *r, uint64_t n)
+check_recovered_dirty (struct run *r, enum workload w, uint64_t n)
 {
   struct bcf_req_opts ro = { .mode = BCF_MODE_WRITETHROUGH };
   struct bcf_req_stats rs;
@@ -486,7 +499,7 @@ check_recovered_dirty (struct run *r, uint64_t n)
   int problems = bcf_cache_fsck (r->c, report, sizeof report);
 
   ck_assert_msg (problems == 0, "seed %u workload %s cut at write %" PRIu64
-                 ": fsck found %d problems:\n%s", seed, wname[W_DIRTY], n,
+                 ": fsck found %d problems:\n%s", seed, wname[w], n,
                  problems, report);
   q = bcf_req_new (r->c, &ro);
   ck_assert_ptr_nonnull (q);
@@ -497,7 +510,7 @@ check_recovered_dirty (struct run *r, uint64_t n)
     ck_assert_msg (value_allowed (r, x, block_hash (first + x * BLOCK)),
                    "seed %u workload %s cut at write %" PRIu64 ": block %"
                    PRIu64 " reads a value older than the last flush (I2)",
-                   seed, wname[W_DIRTY], n, x);
+                   seed, wname[w], n, x);
   ck_assert_int_eq (bcf_req_writeback (q, &r->b), 0);
   bcf_req_get_stats (q, &rs);
   ck_assert_uint_eq (rs.dirty_bytes, 0);
@@ -507,16 +520,16 @@ check_recovered_dirty (struct run *r, uint64_t n)
   ck_assert_msg (memcmp (first, again, BACKING) == 0,
                  "seed %u workload %s cut at write %" PRIu64 ": a block "
                  "reads another value after the writeback", seed,
-                 wname[W_DIRTY], n);
+                 wname[w], n);
   mem_backing_peek (r->mb, again, BACKING, 0);
   ck_assert_msg (memcmp (first, again, BACKING) == 0,
                  "seed %u workload %s cut at write %" PRIu64 ": after the "
                  "writeback the backing store differs from what was read",
-                 seed, wname[W_DIRTY], n);
+                 seed, wname[w], n);
   bcf_req_free (q);
   memcpy (r->m.shadow, again, BACKING);
   check_hits_equal_backing (r, "seed %u workload %s cut at write %" PRIu64,
-                            seed, wname[W_DIRTY], n);
+                            seed, wname[w], n);
   free (first);
   free (again);
 }
@@ -546,10 +559,12 @@ crash_workload (enum workload w)
    * workload's cache holds a fraction of what it writes. */
   const uint64_t cache_bytes = w == W_EVICTION ? (3u << 20) : (16u << 20);
   const unsigned bucket = 16;
-  uint64_t total = count_writes (w, cache_bytes, bucket), tested = 0;
+  uint64_t total, tested = 0;
   const char *s = getenv ("TEST_CRASH_STRIDE");
   uint64_t stride = s ? strtoull (s, NULL, 0) : 1;
 
+  runs_without_intent = w == W_DIRTY_NOINTENT;
+  total = count_writes (w, cache_bytes, bucket);
   if (stride == 0)
     stride = 1;
   for (uint64_t n = 1; n <= total; n += stride) {
@@ -560,13 +575,14 @@ crash_workload (enum workload w)
     bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
     workload (&r, w, seed);
     run_crash_reopen (&r, seed ^ n, BCF_IO_CRASH_RANDOM);
-    if (w == W_DIRTY)
-      check_recovered_dirty (&r, n);
+    if (dirty_workload (w))
+      check_recovered_dirty (&r, w, n);
     else
       check_recovered (&r, w, n);
     run_free (&r);
     tested++;
   }
+  runs_without_intent = false;
   printf ("test-crash: workload %s: %" PRIu64 " of %" PRIu64
           " write indices power-cut, recovered and checked\n", wname[w],
           tested, total);
@@ -580,6 +596,8 @@ END_TEST
 START_TEST (test_crash_eviction) { crash_workload (W_EVICTION); }
 END_TEST
 START_TEST (test_crash_dirty) { crash_workload (W_DIRTY); }
+END_TEST
+START_TEST (test_crash_dirty_nointent) { crash_workload (W_DIRTY_NOINTENT); }
 END_TEST
 
 /* ---- journal recovery edge cases ------------------------------------------- */
@@ -1230,6 +1248,7 @@ main (void)
   add (s, "crash_fills", test_crash_fills);
   add (s, "crash_eviction", test_crash_eviction);
   add (s, "crash_dirty", test_crash_dirty);
+  add (s, "crash_dirty_nointent", test_crash_dirty_nointent);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);
   add (s, "stale_drop_crash", test_stale_drop_crash);

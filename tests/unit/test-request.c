@@ -394,7 +394,7 @@ crash_with_dirty (struct fx *f, const uint8_t *data, uint32_t len,
 
   ck_assert_int_eq (bcf_write_begin (f->c, off, len, data, &w), 0);
   ck_assert_int_eq (bcf_write_sync (f->c, &w), 0);
-  bcf_write_release (&w);
+  bcf_write_release (f->c, &w);
   bcf_req_free (f->r);
   f->r = NULL;
   bcf_cache_test_crash (f->c, seed, BCF_IO_CRASH_LOSE_ALL);

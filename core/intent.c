@@ -1,0 +1,462 @@
+/* bcachefilter engine: write-intent regions (DESIGN.md "Writes on dirty
+ * keys", the second way to pay less for the durable step).
+ *
+ * Design
+ * ------
+ * A write to data the cache holds must not reach the backing store while
+ * a crash could still bring back the older cached data: the write's
+ * dirty key must be durable first, one journal write in series with the
+ * write (bcf_write_durable).  A write-intent region, in the manner of
+ * md's write-intent bitmap, pays that price once per region instead: a
+ * region (INTENT_REGION_SECTORS, 16 MiB) is marked durably when a write
+ * that needs it starts there, and while it is marked, writes inside it
+ * need no journal wait.  After a crash, every clean key in a region that
+ * is still marked is suspect (the backing store may hold newer data than
+ * the key's, if the newer write's dirty key did not reach the journal),
+ * so recovery drops the clean keys of marked regions (intent_recover):
+ * warmth is traded, never correctness.  Dirty keys stay: they are newer
+ * than the backing store and are written back.
+ *
+ * A write relies on a mark only after its dirty keys are inserted (so in
+ * the journal): bcf_write_begin inserts them, then asks for the mark.
+ * So a mark's clear, a whiteout journalled after those keys, can never
+ * survive a crash without them (the journal's durable entries are a
+ * prefix): if the clear survives, the keys do and override the older
+ * data; if not, the mark does.  A mark is therefore cleared lazily
+ * (intent_tick, from the journal thread) as soon as no write holds it
+ * and the region has been quiet for a while (so that a busy region is
+ * not marked and cleared over and over), without waiting for anything.
+ * Clearing need not be durable either: a mark a crash brings back only
+ * costs warmth.
+ *
+ * Where the marks live: in the btree, as keys of inode INTENT_INODE
+ * (0xffffe, beyond any uuid slot a cache can have: slots are
+ * bucket_bytes / 128, at most 65536), one per region, each with one
+ * pointer to PTR_CHECK_DEV (4095) and KEY_SIZE = the region, journalled
+ * when set and cleared (a whiteout), so they survive checkpoints and
+ * replays like any key.  What a kernel would see: keys of an inode no
+ * backing device is attached to, whose pointer names no cache device
+ * (bcache treats such a pointer as bad: it marks no bucket, serves no
+ * read, and GC drops bad keys when it rewrites a node).  The kernel does
+ * not know what they mean, so a kernel that registers a cache after a
+ * crash may serve suspect clean data in marked regions; a cache the
+ * filter closed cleanly has no marks (intent_clear_all at close), and
+ * the filter's own next open drops what is suspect.  The man page says
+ * so.
+ *
+ * Locking: intent.lock guards the region table (a small hash of the
+ * marked regions); it is taken inside no other lock and held across no
+ * I/O.  Setting or clearing a mark (a key insert, and for a set a
+ * journal wait) happens with it released, with the region in a
+ * MARKING / CLEARING state that makes other writers wait on intent.cond,
+ * so the journal's order of set and clear is the order of the state
+ * changes.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+enum region_state {
+  R_MARKING,                    /* mark key inserted, not yet durable */
+  R_MARKED,                     /* durable: writes need no journal wait */
+  R_CLEARING,                   /* the clear is being inserted */
+};
+
+struct region {
+  struct region *next;          /* hash chain */
+  uint64_t index;               /* region number */
+  enum region_state state;
+  unsigned writes;              /* writes in flight relying on the mark */
+  uint64_t last_ns;             /* last write's end */
+};
+
+#define HASH_SIZE 256
+
+static size_t
+slot (uint64_t index)
+{
+  return (size_t) ((index * 0x9E3779B97F4A7C15ull) >> 56) % HASH_SIZE;
+}
+
+int
+intent_init (struct bcf_cache *c)
+{
+  struct intent *in = &c->intent;
+
+  memset (in, 0, sizeof *in);
+  pthread_mutex_init (&in->lock, NULL);
+  pthread_cond_init (&in->cond, NULL);
+  in->hash = calloc (HASH_SIZE, sizeof *in->hash);
+  return in->hash ? 0 : -ENOMEM;
+}
+
+void
+intent_free (struct bcf_cache *c)
+{
+  struct intent *in = &c->intent;
+
+  if (in->hash)
+    for (size_t i = 0; i < HASH_SIZE; i++)
+      while (in->hash[i]) {
+        struct region *r = in->hash[i];
+        in->hash[i] = r->next;
+        free (r);
+      }
+  free (in->hash);
+  in->hash = NULL;
+  pthread_mutex_destroy (&in->lock);
+  pthread_cond_destroy (&in->cond);
+}
+
+/* Under intent.lock. */
+static struct region *
+find (struct intent *in, uint64_t index)
+{
+  for (struct region *r = in->hash[slot (index)]; r; r = r->next)
+    if (r->index == index)
+      return r;
+  return NULL;
+}
+
+static void
+unlink_region (struct intent *in, struct region *r)
+{
+  struct region **p = &in->hash[slot (r->index)];
+
+  while (*p != r)
+    p = &(*p)->next;
+  *p = r->next;
+  in->nregions--;
+}
+
+/* The mark key of region index (set: with its pointer; clear: the
+ * whiteout). */
+static struct ckey
+mark_key (uint64_t index, bool set)
+{
+  return ckey_make (INTENT_INODE, (index + 1) * INTENT_REGION_SECTORS,
+                    INTENT_REGION_SECTORS, set,
+                    set ? MAKE_PTR (0, 0, PTR_CHECK_DEV) : 0, false);
+}
+
+/* Insert a mark key, journalled; *seq gets its entry.  No lock held. */
+static int
+insert_mark (struct bcf_cache *c, uint64_t index, bool set, uint64_t *seq)
+{
+  struct ckey k = mark_key (index, set);
+
+  for (;;) {
+    uint64_t s;
+    int r;
+
+    pthread_rwlock_wrlock (&c->tree_lock);
+    s = journal_add_key_locked (c, &k);
+    if (s == 0) {
+      pthread_rwlock_unlock (&c->tree_lock);
+      if ((r = journal_make_room (c)) < 0)
+        return r;
+      continue;
+    }
+    r = btree_insert_locked (c, &k, s);
+    pthread_rwlock_unlock (&c->tree_lock);
+    if (r == -ENODATA) {
+      struct ckey need;
+      bool loaded;
+      pthread_rwlock_rdlock (&c->tree_lock);
+      loaded = btree_range_loaded (c, INTENT_INODE, ckey_start (&k),
+                                   ckey_end (&k), &need);
+      pthread_rwlock_unlock (&c->tree_lock);
+      if (!loaded && (r = btree_load_evicted (c, &need)) < 0)
+        return r;
+      continue;
+    }
+    *seq = s;
+    return r;
+  }
+}
+
+/* Make region index durably marked and count a write in it.  Returns 0
+ * or -errno (the write must then wait for its keys instead). */
+static int
+region_enter (struct bcf_cache *c, uint64_t index)
+{
+  struct intent *in = &c->intent;
+  struct region *r;
+  uint64_t seq;
+  int e;
+
+  pthread_mutex_lock (&in->lock);
+  for (;;) {
+    r = find (in, index);
+    if (r && r->state == R_MARKED) {
+      r->writes++;
+      pthread_mutex_unlock (&in->lock);
+      return 0;
+    }
+    if (!r)
+      break;
+    pthread_cond_wait (&in->cond, &in->lock);   /* marking or clearing */
+  }
+  if (!(r = calloc (1, sizeof *r))) {
+    pthread_mutex_unlock (&in->lock);
+    return -ENOMEM;
+  }
+  r->index = index;
+  r->state = R_MARKING;
+  r->next = in->hash[slot (index)];
+  in->hash[slot (index)] = r;
+  in->nregions++;
+  pthread_mutex_unlock (&in->lock);
+
+  e = insert_mark (c, index, true, &seq);
+  if (e == 0)
+    e = journal_flush_seq (c, seq);
+
+  pthread_mutex_lock (&in->lock);
+  if (e == 0) {
+    r->state = R_MARKED;
+    r->writes = 1;
+    atomic_fetch_add (&c->stats.intent_marks, 1);
+  }
+  else {
+    /* The key may be in the tree: a stale mark costs warmth only; the
+     * region is simply not relied on. */
+    unlink_region (in, r);
+    free (r);
+  }
+  pthread_cond_broadcast (&in->cond);
+  pthread_mutex_unlock (&in->lock);
+  return e;
+}
+
+int
+intent_write_begin (struct bcf_cache *c, uint64_t start, uint64_t end)
+{
+  uint64_t first = start / INTENT_REGION_SECTORS;
+  uint64_t last = (end - 1) / INTENT_REGION_SECTORS;
+  int e = 0;
+
+  for (uint64_t i = first; i <= last && e == 0; i++)
+    if ((e = region_enter (c, i)) < 0)
+      /* Let go of the regions entered so far. */
+      intent_write_end (c, start, i * INTENT_REGION_SECTORS);
+  return e;
+}
+
+void
+intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end)
+{
+  struct intent *in = &c->intent;
+  uint64_t now = bcf_now_ns ();
+
+  if (end <= start)
+    return;
+  pthread_mutex_lock (&in->lock);
+  for (uint64_t i = start / INTENT_REGION_SECTORS;
+       i <= (end - 1) / INTENT_REGION_SECTORS; i++) {
+    struct region *r = find (in, i);
+    if (!r || r->state != R_MARKED || r->writes == 0)
+      continue;                 /* cannot happen: the write holds it */
+    r->writes--;
+    r->last_ns = now;
+  }
+  pthread_mutex_unlock (&in->lock);
+}
+
+/* Clear one region that qualified; no lock held.  Returns 0 or -errno. */
+static int
+clear_region (struct bcf_cache *c, struct region *r)
+{
+  struct intent *in = &c->intent;
+  uint64_t seq;
+  int e = insert_mark (c, r->index, false, &seq);
+
+  pthread_mutex_lock (&in->lock);
+  unlink_region (in, r);
+  free (r);
+  if (e == 0)
+    atomic_fetch_add (&c->stats.intent_clears, 1);
+  pthread_cond_broadcast (&in->cond);
+  pthread_mutex_unlock (&in->lock);
+  return e;
+}
+
+void
+intent_tick (struct bcf_cache *c, uint64_t quiet_ns)
+{
+  struct intent *in = &c->intent;
+  uint64_t now = bcf_now_ns ();
+
+  for (;;) {
+    struct region *pick = NULL;
+
+    pthread_mutex_lock (&in->lock);
+    for (size_t i = 0; i < HASH_SIZE && !pick && in->nregions; i++)
+      for (struct region *r = in->hash[i]; r && !pick; r = r->next)
+        if (r->state == R_MARKED && r->writes == 0 &&
+            now - r->last_ns >= quiet_ns)
+          pick = r;
+    if (pick)
+      pick->state = R_CLEARING;
+    pthread_mutex_unlock (&in->lock);
+    if (!pick || clear_region (c, pick) < 0)
+      return;
+  }
+}
+
+void
+intent_clear_all (struct bcf_cache *c)
+{
+  /* At close, after the last write. */
+  intent_tick (c, 0);
+}
+
+unsigned
+intent_list (struct bcf_cache *c, uint64_t *out, unsigned max)
+{
+  struct intent *in = &c->intent;
+  unsigned n = 0;
+
+  pthread_mutex_lock (&in->lock);
+  for (size_t i = 0; i < HASH_SIZE; i++)
+    for (struct region *r = in->hash[i]; r; r = r->next)
+      if (n < max)
+        out[n++] = r->index;
+  pthread_mutex_unlock (&in->lock);
+  return n;
+}
+
+unsigned
+intent_marked (struct bcf_cache *c)
+{
+  unsigned n;
+
+  pthread_mutex_lock (&c->intent.lock);
+  n = c->intent.nregions;
+  pthread_mutex_unlock (&c->intent.lock);
+  return n;
+}
+
+/* ---- recovery ------------------------------------------------------------------------ */
+
+/* The marks in the tree: up to max region numbers, from region from on.
+ * Under tree_lock (any). */
+static unsigned
+marks_locked (struct bcf_cache *c, uint64_t from, uint64_t *out,
+              unsigned max)
+{
+  uint64_t pos = from * INTENT_REGION_SECTORS;
+  unsigned n = 0;
+
+  while (n < max) {
+    struct btree_node *leaf = btree_find_leaf (c, INTENT_INODE, pos + 1);
+    const struct keyset *ks;
+
+    if (!leaf || leaf->evicted)
+      break;
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, INTENT_INODE, pos);
+         i < ks->nr && n < max; i++) {
+      const struct ckey *k = &ks->k[i];
+      if (ckey_inode (k) != INTENT_INODE)
+        break;
+      if (ckey_is_check (k)) {
+        out[n++] = ckey_start (k) / INTENT_REGION_SECTORS;
+        pos = ckey_end (k);
+      }
+    }
+    if (ckey_inode (&leaf->key) != INTENT_INODE || n == max)
+      break;
+    pos = ckey_end (&leaf->key);
+  }
+  return n;
+}
+
+/* The clean data keys of [s, e) of inode c->inode, up to max (a region
+ * holds at most its sectors' worth).  Under tree_lock (any). */
+static size_t
+clean_keys_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
+                   struct ckey *out, size_t max, uint64_t *next)
+{
+  uint64_t pos = s;
+  size_t n = 0;
+
+  while (pos < e && n < max) {
+    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
+    const struct keyset *ks;
+
+    if (!leaf || leaf->evicted)
+      break;
+    ks = &leaf->keys;
+    for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr && n < max;
+         i++) {
+      const struct ckey *k = &ks->k[i];
+      if (ckey_inode (k) != c->inode || ckey_start (k) >= e)
+        break;
+      if (ckey_has_ptr (k) && !ckey_is_check (k) && !ckey_dirty (k))
+        out[n++] = *k;
+      pos = ckey_end (k);
+    }
+    if (n == max || ckey_inode (&leaf->key) != c->inode)
+      break;
+    pos = ckey_end (&leaf->key);
+  }
+  *next = pos;
+  return n;
+}
+
+int
+intent_recover (struct bcf_cache *c, uint64_t *regions, uint64_t *dropped)
+{
+  uint64_t idx[64], from = 0;
+  unsigned n;
+  int r = 0;
+
+  *regions = *dropped = 0;
+  do {
+    pthread_rwlock_rdlock (&c->tree_lock);
+    n = marks_locked (c, from, idx, 64);
+    pthread_rwlock_unlock (&c->tree_lock);
+    for (unsigned i = 0; i < n && r == 0; i++) {
+      uint64_t s = idx[i] * INTENT_REGION_SECTORS;
+      uint64_t e = s + INTENT_REGION_SECTORS, pos = s, seq;
+
+      if (e > c->backing_sectors)
+        e = c->backing_sectors;
+      /* Drop the region's clean keys (each only as it is: the whiteout
+       * is journalled where the key could come back), keep the dirty
+       * ones, then the mark. */
+      while (pos < e && r == 0) {
+        struct ckey keys[256];
+        size_t nk;
+
+        pthread_rwlock_rdlock (&c->tree_lock);
+        nk = clean_keys_locked (c, pos, e, keys, 256, &pos);
+        pthread_rwlock_unlock (&c->tree_lock);
+        if (nk == 0)
+          break;
+        for (size_t k = 0; k < nk && r == 0; k++) {
+          struct bcf_extent x = {
+            .kind = BCF_EXTENT_HIT,
+            .offset = ckey_start (&keys[k]) << BCH_SECTOR_SHIFT,
+            .len = ckey_size (&keys[k]) << BCH_SECTOR_SHIFT,
+            .dev_offset = PTR_OFFSET (keys[k].ptr) << BCH_SECTOR_SHIFT,
+            .ptr = keys[k].ptr,
+          };
+          r = bcf_drop_hit (c, &x);
+          (*dropped)++;
+        }
+      }
+      if (r == 0)
+        r = insert_mark (c, idx[i], false, &seq);
+      (*regions)++;
+      from = idx[i] + 1;
+    }
+  } while (n == 64 && r == 0);
+  return r;
+}
