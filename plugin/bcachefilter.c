@@ -59,7 +59,6 @@
 #include "bcachefilter/request.h"
 #include "bcachefilter/stats.h"
 #include "ctl.h"
-#include "io.h"
 
 #define DEFAULT_CUTOFF (4u << 20)
 
@@ -74,7 +73,7 @@ static struct {
   int64_t cutoff;                       /* bcache-sequential-cutoff= */
   bool have_uuid;
   uint8_t uuid[16];                     /* bcache-backing-uuid= */
-  int io_mode;                          /* enum bcf_io_mode */
+  enum bcf_io_mode io_mode;             /* bcache-io= */
   bool direct;                          /* bcache-direct= */
   const char *ctl_path;                 /* bcache-ctl= */
   int64_t node_cache;                   /* bcache-node-cache= */

@@ -70,7 +70,6 @@
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
-#include "io.h"
 
 #define PROGRAM_NAME "bcachefilter-format"
 
@@ -700,15 +699,6 @@ summary (const char *path)
   return EXIT_OK;
 }
 
-/* The engine keeps I/O buffers in a pool and an io_uring per thread for
- * reuse; give them back at exit so that leak checkers see a clean exit. */
-static void
-release_engine_memory (void)
-{
-  bcf_io_thread_cleanup ();
-  bcf_buf_pool_trim ();
-}
-
 int
 main (int argc, char *argv[])
 {
@@ -721,7 +711,7 @@ main (int argc, char *argv[])
   bool progress = false;
   int r;
 
-  atexit (release_engine_memory);
+  atexit (bcf_release_memory);
   r = parse_options (argc, argv, &o);
   if (r >= 0)
     return r;

@@ -2125,8 +2125,6 @@ forceable (int status)
          status == EXIT_INVALID;
 }
 
-/* The engine keeps I/O buffers in a pool and an io_uring per thread for
- * reuse; give them back at exit so that leak checkers see a clean exit. */
 /* The device may have a writer (a running proxy): say so, since what
  * we read from under it may be a moment old or mid-update.  We take no
  * claim ourselves (bcachefilter/claim.h). */
@@ -2141,13 +2139,6 @@ note_writer (const char *path)
              path, holder);
 }
 
-static void
-release_engine_memory (void)
-{
-  bcf_io_thread_cleanup ();
-  bcf_buf_pool_trim ();
-}
-
 int
 main (int argc, char *argv[])
 {
@@ -2156,7 +2147,7 @@ main (int argc, char *argv[])
   CLEANUP_CLOSE int fd = -1;
   int r;
 
-  atexit (release_engine_memory);
+  atexit (bcf_release_memory);
   r = parse_options (argc, argv, &opts);
   if (r >= 0)
     return r;
