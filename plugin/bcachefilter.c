@@ -14,9 +14,11 @@
  *                               and the identifying ones (uri, socket,
  *                               file, ...) also name the export for the
  *                               cache's identity check.
- *   .get_ready                  probe the cache device before nbdkit
- *                               forks: exists or can be created, writable,
- *                               holds a cache, is blank, or (refused) holds
+ *   .get_ready                  claim and probe the cache device before
+ *                               nbdkit forks (bcf_device_probe: the
+ *                               engine's own verdict): exists or can be
+ *                               created, writable, holds a cache of this
+ *                               export, is blank, or (refused) holds
  *                               something else.
  *   .after_fork                 open a backend context to learn the
  *                               export's size, open the cache (replay,
@@ -41,7 +43,6 @@
 #include "config.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -56,6 +57,7 @@
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
+#include "bcachefilter/probe.h"
 #include "bcachefilter/request.h"
 #include "bcachefilter/stats.h"
 #include "ctl.h"
@@ -406,149 +408,81 @@ check_format_size (uint64_t size, const char *what)
   return -1;
 }
 
-/* An existing cache: open it read-only (no writes, no export needed) to
- * check everything the real open will check, and whose export it holds. */
+/* A cache of another export: refused (DESIGN.md "One writer per cache,
+ * one cache per export"). */
 static int
-probe_existing_cache (void)
+check_owner (const struct bcf_device_verdict *v)
 {
-  struct bcf_cache_opts o = { 0 };
-  struct bcf_cache *c;
-  char err[512], have[37], want[37];
-  uint8_t uuid[16];
-  uint64_t bytes;
-  int r;
+  char have[37], want[37];
 
-  o.path = cfg.path;
-  o.readonly = true;
-  o.io_mode = BCF_IO_SYNC;      /* no io_uring ring before the fork */
-  o.direct_off = !cfg.direct;
-  o.format = BCF_FORMAT_NEVER;
-  r = bcf_cache_open (&o, &c, err, sizeof err);
-  if (r < 0) {
-    nbdkit_error ("bcache=%s: %s.  Check it with bcachefilter-show --fsck; "
-                  "bcache-format=force starts a new, empty cache there",
-                  cfg.path, err);
-    return -1;
-  }
-  r = 0;
-  if (bcf_cache_owner (c, uuid, &bytes) && memcmp (uuid, cfg.uuid, 16) != 0) {
-    bch_uuid_unparse (uuid, have);
-    bch_uuid_unparse (cfg.uuid, want);
-    nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
-                  " bytes), not this one (uuid %s%s%s).  Give that export's "
-                  "bcache-backing-uuid= if it is the same export under a new "
-                  "name, or bcache-format=force to start an empty cache for "
-                  "this one", cfg.path, have, bytes, want,
-                  cfg.have_uuid ? "" : ", derived from ",
-                  cfg.have_uuid ? "" : (id_any ? id_text : "no parameters"));
-    r = -1;
-  }
-  bcf_cache_close (c);
-  return r;
+  if (!v->has_owner || memcmp (v->owner_uuid, cfg.uuid, 16) == 0)
+    return 0;
+  bch_uuid_unparse (v->owner_uuid, have);
+  bch_uuid_unparse (cfg.uuid, want);
+  nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
+                " bytes), not this one (uuid %s%s%s).  Give that export's "
+                "bcache-backing-uuid= if it is the same export under a new "
+                "name, or bcache-format=force to start an empty cache for "
+                "this one", cfg.path, have, v->owner_bytes, want,
+                cfg.have_uuid ? "" : ", derived from ",
+                cfg.have_uuid ? "" : (id_any ? id_text
+                                      : "no parameters"));
+  return -1;
 }
 
 /* Refuse now, with a clear message, whatever the open in .after_fork
  * would refuse: that one runs after nbdkit has forked and started
- * serving.  Only a change of the export's size is left for it. */
+ * serving. */
 static int
-probe_cache_device (void)
+judge (const struct bcf_device_verdict *v)
 {
-  uint8_t buf[BCH_SB_OFFSET + BCH_SB_AREA_SIZE];
-  struct bch_sb sb;
-  struct bch_diag d;
-  enum bch_status st;
-  struct stat s;
-  uint64_t size;
-  ssize_t n;
-  int fd;
-
-  if (stat (cfg.path, &s) == -1) {
-    nbdkit_error ("bcache=%s: %m", cfg.path);
-    return -1;
-  }
-  if (!S_ISREG (s.st_mode) && !S_ISBLK (s.st_mode)) {
-    nbdkit_error ("bcache=%s is neither a regular file nor a block device",
-                  cfg.path);
-    return -1;
-  }
-  fd = open (cfg.path, O_RDWR | O_CLOEXEC);
-  if (fd == -1) {
-    nbdkit_error ("bcache=%s: cannot open for reading and writing: %m (the "
-                  "cache must be writable by the user running nbdkit)",
-                  cfg.path);
-    return -1;
-  }
-  {
-    off_t end = lseek (fd, 0, SEEK_END);
-    size = end > 0 ? (uint64_t) end : 0;
-  }
-  n = pread (fd, buf, sizeof buf, 0);
-  close (fd);
-  if (n < 0) {
-    nbdkit_error ("bcache=%s: cannot read: %m", cfg.path);
-    return -1;
-  }
-  if ((size_t) n < sizeof buf) {
+  switch (v->kind) {
+  case BCF_DEVICE_TOO_SMALL:
     nbdkit_error ("bcache=%s is too small to be a cache (%" PRIu64 " bytes)",
-                  cfg.path, size);
+                  cfg.path, v->size);
     return -1;
-  }
-  if (cfg.format == BCF_FORMAT_FORCE)
-    return check_format_size (size, cfg.path);
-  if (bch_is_zero (buf, sizeof buf)) {
-    char err[512] = "";
-    bool blank;
-
-    /* The engine's definition of blank (its edges too), so that what
-     * passes here is what .after_fork's open will format. */
-    if (bcf_device_blank (cfg.path, &blank, err, sizeof err) < 0) {
-      nbdkit_error ("bcache=%s: %s", cfg.path, err);
-      return -1;
-    }
-    if (!blank) {
-      nbdkit_error ("bcache=%s starts with zeros but is not blank: there "
-                    "is data in its first or last MiB (a filesystem, RAID "
-                    "or partition table signature?); refusing to overwrite "
-                    "it.  If it really is meant to be a cache, add "
-                    "bcache-format=force (this destroys it)", cfg.path);
-      return -1;
-    }
+  case BCF_DEVICE_BLANK:
     if (cfg.format == BCF_FORMAT_NEVER) {
       nbdkit_error ("bcache=%s is blank, not a cache, and bcache-format=never "
                     "forbids formatting it", cfg.path);
       return -1;
     }
-    return check_format_size (size, cfg.path);
-  }
-  st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &sb, &d);
-  switch (st) {
-  case BCH_OK:
-    if (!(sb.flags & BCH_CACHE_SYNC)) {   /* made by make-bcache -C */
-      if (cfg.format == BCF_FORMAT_NEVER) {
-        nbdkit_error ("bcache=%s was made by make-bcache but never "
-                      "registered, and bcache-format=never forbids "
-                      "initialising it", cfg.path);
-        return -1;
-      }
-      return 0;
+    return check_format_size (v->size, cfg.path);
+  case BCF_DEVICE_MAKE_BCACHE:
+    if (cfg.format == BCF_FORMAT_NEVER) {
+      nbdkit_error ("bcache=%s was made by make-bcache but never "
+                    "registered, and bcache-format=never forbids "
+                    "initialising it", cfg.path);
+      return -1;
     }
-    return probe_existing_cache ();
-  case BCH_ERR_MAGIC:
-    nbdkit_error ("bcache=%s holds data that is not a bcache cache; "
-                  "refusing to overwrite it.  If it really is meant to be "
-                  "a cache, add bcache-format=force (this destroys it)",
-                  cfg.path);
+    return 0;
+  case BCF_DEVICE_CACHE:
+    return check_owner (v);
+  case BCF_DEVICE_FOREIGN:
+    if (v->data_at != UINT64_MAX)
+      nbdkit_error ("bcache=%s starts with zeros but is not blank: byte "
+                    "%" PRIu64 ", in its first or last MiB, is not (a "
+                    "filesystem, RAID or partition table signature?); "
+                    "refusing to overwrite it.  If it really is meant to be "
+                    "a cache, add bcache-format=force (this destroys it)",
+                    cfg.path, v->data_at);
+    else
+      nbdkit_error ("bcache=%s holds data that is not a bcache cache; "
+                    "refusing to overwrite it.  If it really is meant to be "
+                    "a cache, add bcache-format=force (this destroys it)",
+                    cfg.path);
     return -1;
-  case BCH_ERR_BACKING:
+  case BCF_DEVICE_BACKING:
     nbdkit_error ("bcache=%s is a bcache backing device, not a cache "
                   "device (make-bcache -C makes cache devices)", cfg.path);
     return -1;
-  default:
-    nbdkit_error ("bcache=%s: corrupt bcache superblock (%s).  Check it "
-                  "with bcachefilter-show --fsck; bcache-format=force "
-                  "starts a new, empty cache", cfg.path, d.msg);
+  case BCF_DEVICE_CORRUPT:
+    nbdkit_error ("bcache=%s: %s.  Check it with bcachefilter-show --fsck; "
+                  "bcache-format=force starts a new, empty cache there",
+                  cfg.path, v->reason);
     return -1;
   }
+  return -1;
 }
 
 /* A cache file that does not exist yet: may it be created (claiming it
@@ -625,9 +559,24 @@ claim_cache_device (void)
 static int
 filter_get_ready (int thread_model)
 {
+  struct bcf_probe_opts o = {
+    /* A forced format needs no check of what it destroys. */
+    .check = cfg.format != BCF_FORMAT_FORCE,
+    .direct_off = !cfg.direct,
+  };
+  struct bcf_device_verdict v;
+  char err[512];
+
   if (check_new_file () == -1 || claim_cache_device () == -1)
     return -1;
-  return probe_cache_device ();
+  if (bcf_device_probe (cfg.path, &o, &v, err, sizeof err) < 0) {
+    nbdkit_error ("bcache=%s: %s", cfg.path, err);
+    return -1;
+  }
+  if (cfg.format == BCF_FORMAT_FORCE)
+    return v.kind == BCF_DEVICE_TOO_SMALL ? judge (&v)
+           : check_format_size (v.size, cfg.path);
+  return judge (&v);
 }
 
 /* ---- .after_fork: open the cache -------------------------------------------------- */
@@ -829,7 +778,7 @@ filter_after_fork (nbdkit_backend *backend)
   r = bcf_cache_open (&o, &cache, err, sizeof err);
   if (r < 0) {
     nbdkit_error ("bcachefilter: %s", err);
-    if (r == -EEXIST || strstr (err, "another export"))
+    if (r == -EEXIST)
       nbdkit_error ("bcachefilter: this cache belongs to another export; "
                     "give the right bcache-backing-uuid=, or "
                     "bcache-format=force to start an empty cache here");

@@ -94,7 +94,18 @@ struct bcf_cache_opts {
 };
 
 /* Open (and if the policy allows, format) a cache.  Returns 0 and sets
- * *cp, or a negative errno with the reason in err. */
+ * *cp, or a negative errno with the reason in err.  The errors a caller
+ * may want to tell apart:
+ *   -EEXIST       the cache holds another export (uuid or size)
+ *   -EBUSY        another process holds the device (bcachefilter/claim.h)
+ *   -EMEDIUMTYPE  the device holds something else (foreign data, a
+ *                 bcache backing device) or, read-only, no cache yet
+ *   -EUCLEAN      corrupt metadata (superblock, journal, prios, btree)
+ *   -ENODEV       blank or never registered, and the policy forbids
+ *                 formatting it
+ *   -ENOSPC       too small to be a cache
+ *   -ENOTSUP      a cache set of several devices
+ * What the device holds can also be asked first: bcachefilter/probe.h. */
 int bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
                     char *err, size_t errlen);
 /* Write everything that must be written and close.  Returns 0 or the
@@ -116,14 +127,6 @@ int bcf_cache_abandon (struct bcf_cache *c);
  * drive the work by hand (bcf_cache_journal_write, bcf_gc_run). */
 int bcf_cache_start_threads (struct bcf_cache *c);
 void bcf_cache_stop_threads (struct bcf_cache *c);
-
-/* Would bcf_cache_open with BCF_FORMAT_AUTO see the device at path as
- * blank, and format it?  Blank means all zero in the superblock area and
- * in the first and last MiB (where other signatures live: btrfs at 64
- * KiB, md and GPT copies at the end).  Opens the device read-only.
- * Returns 0 and sets *blank, or -errno with a message in err. */
-int bcf_device_blank (const char *path, bool *blank, char *err,
-                      size_t errlen);
 
 /* The engine keeps I/O buffers in a pool and an io_uring per thread for
  * reuse.  Give the calling thread's ring and the pool's cached buffers
