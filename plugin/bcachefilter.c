@@ -171,7 +171,9 @@ filter_extents (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset
 
 static struct nbdkit_filter filter = {
   .name = "bcachefilter",
-  .longname = "nbdkit bcache-format persistent cache filter",
+  .longname = "bcachefilter " PACKAGE_VERSION ": a persistent cache in "
+              "bcache's on-disk format",
+  .load = filter_load,
   .config = filter_config,
   .config_complete = filter_config_complete,
   .config_help = filter_config_help,

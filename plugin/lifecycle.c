@@ -26,22 +26,16 @@ struct bcf_req *req;
 static uint64_t export_size;
 static bool ctl_running;
 
+/* The engine's messages: its warnings and errors are the operator's
+ * (nbdkit_error reaches the log, whatever nbdkit did with stderr), its
+ * information and detail are debug output (-v). */
 static void
 engine_log (void *opaque, enum bcf_log_level level, const char *msg)
 {
-  switch (level) {
-  case BCF_LOG_DEBUG:
-    nbdkit_debug ("bcachefilter: %s", msg);
-    break;
-  case BCF_LOG_INFO:
-  case BCF_LOG_WARN:
-    /* nbdkit has no info level: these are rare and worth seeing. */
-    fprintf (stderr, "nbdkit: bcachefilter: %s\n", msg);
-    break;
-  case BCF_LOG_ERROR:
+  if (level >= BCF_LOG_WARN)
     nbdkit_error ("bcachefilter: %s", msg);
-    break;
-  }
+  else
+    nbdkit_debug ("bcachefilter: %s", msg);
 }
 
 /* ---- control socket --------------------------------------------------------------- */
@@ -68,7 +62,7 @@ ctl_set (const char *name, const char *value, char *err, size_t errlen)
     int m = parse_mode (value, err, errlen);
     if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
       return -1;
-    fprintf (stderr, "nbdkit: bcachefilter: cache_mode set to %s\n", value);
+    nbdkit_debug ("bcachefilter: cache_mode set to %s", value);
     return 0;
   }
   if (strcmp (name, "sequential_cutoff") == 0) {
@@ -83,6 +77,7 @@ ctl_set (const char *name, const char *value, char *err, size_t errlen)
       return -1;
     }
     bcf_req_set_sequential_cutoff (req, v);
+    nbdkit_debug ("bcachefilter: sequential_cutoff set to %llu", v);
     return 0;
   }
   snprintf (err, errlen, "unknown setting '%s'; settable: cache_mode, "
@@ -181,9 +176,9 @@ filter_after_fork (nbdkit_backend *backend)
     goto fail;
   }
   if (cfg.test_no_tracker) {
-    fprintf (stderr, "nbdkit: bcachefilter: WARNING: the in-flight write "
-             "tracker is disabled (bcache-test-disable-tracker): reads may "
-             "cache stale data.  For tests only.\n");
+    nbdkit_error ("bcachefilter: the in-flight write tracker is disabled "
+                  "(bcache-test-disable-tracker): reads may cache stale "
+                  "data.  For tests only.");
     bcf_req_test_disable_tracker (req, true);
   }
   if ((r = bcf_cache_start_threads (cache)) < 0) {

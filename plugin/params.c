@@ -266,3 +266,52 @@ filter_config_complete (nbdkit_next_config_complete *next,
   }
   return next (nxdata);
 }
+
+/* ---- the filter's own version ------------------------------------------------------- */
+
+/* Was nbdkit started with this option (an argument of its own)? */
+static bool
+started_with (const char *opt1, const char *opt2)
+{
+  char buf[16384];
+  FILE *f = fopen ("/proc/self/cmdline", "re");
+  size_t n = f ? fread (buf, 1, sizeof buf - 1, f) : 0;
+  bool found = false;
+
+  if (f)
+    fclose (f);
+  buf[n] = '\0';
+  for (size_t i = 0; i < n && !found; i += strlen (buf + i) + 1)
+    found = strcmp (buf + i, opt1) == 0 || (opt2 && strcmp (buf + i, opt2) == 0);
+  return found;
+}
+
+static void
+print_version_line (void)
+{
+  printf ("nbdkit-bcachefilter-filter %s\n", PACKAGE_VERSION);
+}
+
+static void
+print_version_field (void)
+{
+  printf ("bcachefilter_version=%s\n", PACKAGE_VERSION);
+}
+
+/* nbdkit --version prints each filter's _version, which must be the
+ * version of nbdkit the filter was built for (nbdkit refuses to load it
+ * otherwise), and --dump-plugin only the plugin's fields; --dump-config
+ * loads no filter at all.  So when nbdkit was started to print versions,
+ * the filter adds its own line after nbdkit's (at exit).  Otherwise it
+ * only says its version in the debug output. */
+void
+filter_load (void)
+{
+  if (started_with ("--version", "-V"))
+    atexit (print_version_line);
+  else if (started_with ("--dump-plugin", NULL))
+    atexit (print_version_field);
+  else
+    nbdkit_debug ("bcachefilter %s", PACKAGE_VERSION);
+}
+

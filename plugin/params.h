@@ -70,6 +70,9 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "                            (1000000; 0 = errors never decay)\n" \
   "bcache-test-disable-tracker=BOOL  tests only: unsafe"
 
+/* .load: make the filter's own version visible (params.c says where). */
+void filter_load (void);
+
 /* A cache mode, for bcache-mode= and the control socket's set
  * cache_mode: the mode, or -1 with the reason in err. */
 int parse_mode (const char *value, char *err, size_t errlen);
