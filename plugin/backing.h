@@ -8,8 +8,8 @@
  * (else a write and a flush), the client's FAST_ZERO flag passed on, and
  * nbdkit's errors turned into negative errnos.
  *
- * Locking: none; a struct bk lives for one request, on its thread.  The
- * background store is opened and closed while no other thread uses it.
+ * Locking: none for a struct bk, which lives for one request, on its
+ * thread.  The background store opens its context under bg_lock.
  */
 #ifndef BCACHEFILTER_PLUGIN_BACKING_H
 #define BCACHEFILTER_PLUGIN_BACKING_H
@@ -38,11 +38,16 @@ void bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
 
 /* The background backing store: a context of the filter's own on the
  * export, for the work that has no client connection to use (the
- * writeback thread).  bk_background_open opens it (in .after_fork) and
- * sets *size to the export's size; NULL after nbdkit_error.
- * bk_background_close closes it (NULL allowed: nothing open). */
-const struct bcf_backing *bk_background_open (nbdkit_backend *backend,
-                                              int64_t *size);
+ * writeback thread).  It is opened when it is first used, not in
+ * .after_fork: with nbdkit-nbd-plugin every open of such a context
+ * prints "error: no connection in this thread" (lifecycle.h), and most
+ * runs never use it (the writeback thread writes only dirty data, which
+ * in the clean modes exists only where a crash left some).  A call that
+ * cannot open it fails with -EIO (the writeback tries again later).
+ * bk_background_init gives it the backend (from .after_fork, valid until
+ * .cleanup); bk_background_close closes it once nothing uses it. */
+void bk_background_init (nbdkit_backend *backend);
+const struct bcf_backing *bk_background (void);
 void bk_background_close (void);
 
 #endif /* BCACHEFILTER_PLUGIN_BACKING_H */

@@ -4,8 +4,10 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bcachefilter/cache.h"
@@ -23,8 +25,11 @@ static struct bcf_claim *claim;          /* from .get_ready on */
 static struct bcf_device_verdict verdict; /* what .get_ready found */
 static struct bcf_cache *cache;
 struct bcf_req *req;
-static uint64_t export_size;
+static uint64_t export_size;            /* the size the cache was opened for */
+static bool attached;                   /* ... and it is the export's */
 static bool ctl_running;
+static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_rwlock_t state_lock = PTHREAD_RWLOCK_INITIALIZER;
 
 /* The engine's messages: its warnings and errors are the operator's
  * (nbdkit_error reaches the log, whatever nbdkit did with stderr), its
@@ -43,21 +48,22 @@ engine_log (void *opaque, enum bcf_log_level level, const char *msg)
 static int
 ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
 {
-  if (!req) {
+  int r = 0;
+
+  pthread_rwlock_rdlock (&state_lock);
+  if (req)
+    render_stats (fp, json, cache, req);
+  else {
     snprintf (err, errlen, "the cache is not open");
-    return -1;
+    r = -1;
   }
-  render_stats (fp, json, cache, req);
-  return 0;
+  pthread_rwlock_unlock (&state_lock);
+  return r;
 }
 
 static int
-ctl_set (const char *name, const char *value, char *err, size_t errlen)
+set_setting (const char *name, const char *value, char *err, size_t errlen)
 {
-  if (!req) {
-    snprintf (err, errlen, "the cache is not open");
-    return -1;
-  }
   if (strcmp (name, "cache_mode") == 0) {
     int m = parse_mode (value, err, errlen);
     if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
@@ -86,25 +92,51 @@ ctl_set (const char *name, const char *value, char *err, size_t errlen)
 }
 
 static int
+ctl_set (const char *name, const char *value, char *err, size_t errlen)
+{
+  int r;
+
+  pthread_rwlock_rdlock (&state_lock);
+  if (req)
+    r = set_setting (name, value, err, errlen);
+  else {
+    snprintf (err, errlen, "the cache is not open");
+    r = -1;
+  }
+  pthread_rwlock_unlock (&state_lock);
+  return r;
+}
+
+static int
 ctl_trigger_gc (char *err, size_t errlen)
 {
-  if (!cache) {
+  int r = 0;
+
+  pthread_rwlock_rdlock (&state_lock);
+  if (cache)
+    bcf_trigger_gc (cache);
+  else {
     snprintf (err, errlen, "the cache is not open");
-    return -1;
+    r = -1;
   }
-  bcf_trigger_gc (cache);
-  return 0;
+  pthread_rwlock_unlock (&state_lock);
+  return r;
 }
 
 static int
 ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
 {
-  if (!cache) {
+  int r = 0;
+
+  pthread_rwlock_rdlock (&state_lock);
+  if (cache)
+    render_super (fp, json, cache, cfg.path, export_size);
+  else {
     snprintf (err, errlen, "the cache is not open");
-    return -1;
+    r = -1;
   }
-  render_super (fp, json, cache, cfg.path, export_size);
-  return 0;
+  pthread_rwlock_unlock (&state_lock);
+  return r;
 }
 
 static const struct bcf_ctl_ops ctl_ops = {
@@ -112,45 +144,57 @@ static const struct bcf_ctl_ops ctl_ops = {
   .show_super = ctl_show_super,
 };
 
+/* ---- .get_ready ------------------------------------------------------------------- */
+
 int
 filter_get_ready (int thread_model)
 {
   return probe_cache (&claim, &verdict);
 }
 
-/* ---- .after_fork: open the cache -------------------------------------------------- */
+/* ---- opening the engine ----------------------------------------------------------- */
 
-int
-filter_after_fork (nbdkit_backend *backend)
+/* The backing store handed to bcf_cache_open: only .size is called, and
+ * it answers the size the cache is opened for (lifecycle.h). */
+static int64_t
+open_size_fn (void *opaque)
+{
+  return (int64_t) *(const uint64_t *) opaque;
+}
+
+static const struct bcf_backing_ops open_ops = { .size = open_size_fn };
+
+/* The settings the request layer starts with. */
+struct req_settings {
+  enum bcf_cache_mode mode;
+  uint64_t cutoff;
+};
+
+/* Open the cache for an export of size bytes whose identity is uuid
+ * (zero: none yet), and its request layer and threads.  0, or -1 after
+ * nbdkit_error, with cache and req NULL. */
+static int
+open_engine (const uint8_t uuid[16], uint64_t size,
+             enum bcf_format_policy format, const struct req_settings *s)
 {
   struct bcf_cache_opts o = { 0 };
   struct bcf_req_opts ro = { 0 };
+  const char *label = cfg.id_any ? cfg.id_text : "nbdkit export";
   char err[512];
-  int64_t size;
-  const struct bcf_backing *bg = bk_background_open (backend, &size);
   int r;
-
-  if (!bg)
-    return -1;
-  export_size = (uint64_t) size;
 
   o.path = cfg.path;
   o.claim = claim;               /* created the file if it was missing */
   o.io_mode = cfg.io_mode;
   o.direct_off = !cfg.direct;
-  o.format = cfg.format;
+  o.format = format;
   o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
-  o.backing = *bg;
-  memcpy (o.backing_uuid, cfg.uuid, 16);
+  o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &size };
+  memcpy (o.backing_uuid, uuid, 16);
   /* The label is informational and truncated to its 32 bytes. */
-  {
-    const char *label = cfg.id_any ? cfg.id_text : "nbdkit export";
-    size_t n = strlen (label);
-    if (n > sizeof o.backing_label - 1)
-      n = sizeof o.backing_label - 1;
-    memcpy (o.backing_label, label, n);
-  }
+  memcpy (o.backing_label, label,
+          strnlen (label, sizeof o.backing_label - 1));
   o.node_cache_bytes = (size_t) cfg.node_cache;
   o.journal_delay_ms = cfg.journal_delay_ms;
   o.log = engine_log;
@@ -162,41 +206,26 @@ filter_after_fork (nbdkit_backend *backend)
       nbdkit_error ("bcachefilter: this cache belongs to another export; "
                     "give the right bcache-backing-uuid=, or "
                     "bcache-format=force to start an empty cache here");
-    bk_background_close ();
     return -1;
   }
-  ro.mode = cfg.mode;
-  ro.sequential_cutoff = (uint64_t) cfg.cutoff;
+  ro.mode = s->mode;
+  ro.sequential_cutoff = s->cutoff;
   ro.error_limit = cfg.error_limit;
   ro.error_halflife = cfg.error_halflife;
-  ro.background = bg;
+  ro.background = bk_background ();
   req = bcf_req_new (cache, &ro);
   if (!req) {
     nbdkit_error ("bcachefilter: out of memory");
     goto fail;
   }
-  if (cfg.test_no_tracker) {
-    nbdkit_error ("bcachefilter: the in-flight write tracker is disabled "
-                  "(bcache-test-disable-tracker): reads may cache stale "
-                  "data.  For tests only.");
+  if (cfg.test_no_tracker)
     bcf_req_test_disable_tracker (req, true);
-  }
   if ((r = bcf_cache_start_threads (cache)) < 0) {
     nbdkit_error ("bcachefilter: starting the cache threads: %s",
                   strerror (-r));
     goto fail;
   }
-  if (cfg.ctl_path) {
-    if (bcf_ctl_start (cfg.ctl_path, &ctl_ops, err, sizeof err) < 0) {
-      nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
-      goto fail;
-    }
-    ctl_running = true;
-  }
-  nbdkit_debug ("bcachefilter: cache %s open (%s%s), export %" PRIu64
-                " bytes, mode %s", cfg.path, bcf_cache_io_name (cache),
-                bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
-                export_size, bcf_cache_mode_name (cfg.mode));
+  export_size = size;
   return 0;
 
  fail:
@@ -204,17 +233,13 @@ filter_after_fork (nbdkit_backend *backend)
   req = NULL;
   bcf_cache_close (cache);
   cache = NULL;
-  bk_background_close ();
   return -1;
 }
 
-void
-filter_cleanup (nbdkit_backend *backend)
+/* Close the request layer and the cache (a checkpoint). */
+static void
+close_engine (void)
 {
-  if (ctl_running) {
-    bcf_ctl_stop ();
-    ctl_running = false;
-  }
   /* The request layer first: its fill workers finish what is queued. */
   bcf_req_free (req);
   req = NULL;
@@ -226,25 +251,126 @@ filter_cleanup (nbdkit_backend *backend)
                     strerror (-r));
     cache = NULL;
   }
-  bk_background_close ();
-  bcf_claim_release (claim);
-  claim = NULL;
+}
+
+/* The export's size, as the cache recorded it: known for a cache that
+ * holds this export (the probe in .get_ready checked the uuid), not for
+ * a new cache or one about to be formatted. */
+static bool
+recorded_size (uint64_t *size)
+{
+  if (cfg.format == BCF_FORMAT_FORCE || verdict.kind != BCF_DEVICE_CACHE ||
+      !verdict.has_owner || verdict.owner_bytes == 0)
+    return false;
+  *size = verdict.owner_bytes;
+  return true;
+}
+
+/* ---- .after_fork ------------------------------------------------------------------ */
+
+int
+filter_after_fork (nbdkit_backend *backend)
+{
+  static const uint8_t no_export[16];
+  const struct req_settings s = { cfg.mode, (uint64_t) cfg.cutoff };
+  uint64_t size = 0;
+  char err[512];
+
+  bk_background_init (backend);
+  attached = recorded_size (&size);
+  if (open_engine (attached ? cfg.uuid : no_export, size, cfg.format, &s) < 0)
+    return -1;
+  if (cfg.test_no_tracker)
+    nbdkit_error ("bcachefilter: the in-flight write tracker is disabled "
+                  "(bcache-test-disable-tracker): reads may cache stale "
+                  "data.  For tests only.");
+  if (cfg.ctl_path) {
+    if (bcf_ctl_start (cfg.ctl_path, &ctl_ops, err, sizeof err) < 0) {
+      nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
+      close_engine ();
+      return -1;
+    }
+    ctl_running = true;
+  }
+  nbdkit_debug ("bcachefilter: cache %s open (%s%s), %s, mode %s", cfg.path,
+                bcf_cache_io_name (cache),
+                bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
+                attached ? "for the export it holds"
+                : "attached to its export at the first connection",
+                bcf_cache_mode_name (cfg.mode));
+  return 0;
 }
 
 /* ---- connections ------------------------------------------------------------------ */
 
+/* The first connection of a new cache: open it again for this export
+ * (lifecycle.h), keeping what the control socket set meanwhile.  On
+ * failure the server is shut down, as an open failure in .after_fork
+ * would have stopped it. */
+static int
+attach (uint64_t size)
+{
+  int r;
+
+  pthread_rwlock_wrlock (&state_lock);
+  {
+    const struct req_settings s = {
+      bcf_req_mode (req), bcf_req_sequential_cutoff (req),
+    };
+
+    close_engine ();
+    r = open_engine (cfg.uuid, size, BCF_FORMAT_NEVER, &s);
+  }
+  attached = r == 0;
+  pthread_rwlock_unlock (&state_lock);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: the cache could not be attached to the "
+                  "export; shutting down");
+    nbdkit_shutdown ();
+    return -1;
+  }
+  nbdkit_debug ("bcachefilter: cache %s attached to the export (%" PRIu64
+                " bytes)", cfg.path, size);
+  return 0;
+}
+
 int
 lifecycle_check_export (int64_t size)
 {
+  int r = 0;
+
+  pthread_mutex_lock (&attach_lock);
+  if (!attached && req)
+    r = attach ((uint64_t) size);
+  pthread_mutex_unlock (&attach_lock);
+  if (r < 0)
+    return -1;
   if (!req) {
     nbdkit_error ("bcachefilter: the cache is not open");
     return -1;
   }
   if ((uint64_t) size != export_size) {
     nbdkit_error ("bcachefilter: this export has %" PRIi64 " bytes but the "
-                  "cache was opened for %" PRIu64 " bytes (one cache serves "
-                  "one export)", size, export_size);
+                  "cache holds an export of %" PRIu64 " bytes (one cache "
+                  "serves one export); if the export was resized, start "
+                  "with bcache-format=force for an empty cache", size,
+                  export_size);
     return -1;
   }
   return 0;
+}
+
+/* ---- .cleanup --------------------------------------------------------------------- */
+
+void
+filter_cleanup (nbdkit_backend *backend)
+{
+  if (ctl_running) {
+    bcf_ctl_stop ();
+    ctl_running = false;
+  }
+  close_engine ();
+  bk_background_close ();       /* after the writeback thread stopped */
+  bcf_claim_release (claim);
+  claim = NULL;
 }
