@@ -45,20 +45,33 @@ engine_log (void *opaque, enum bcf_log_level level, const char *msg)
 
 /* ---- control socket --------------------------------------------------------------- */
 
+/* An operation on the open cache: true with state_lock held for reading
+ * (ctl_end releases it), or false, saying why in err. */
+static bool
+ctl_begin (char *err, size_t errlen)
+{
+  pthread_rwlock_rdlock (&state_lock);
+  if (req)                      /* cache and req are open together */
+    return true;
+  pthread_rwlock_unlock (&state_lock);
+  snprintf (err, errlen, "the cache is not open");
+  return false;
+}
+
+static void
+ctl_end (void)
+{
+  pthread_rwlock_unlock (&state_lock);
+}
+
 static int
 ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
 {
-  int r = 0;
-
-  pthread_rwlock_rdlock (&state_lock);
-  if (req)
-    render_stats (fp, json, cache, req);
-  else {
-    snprintf (err, errlen, "the cache is not open");
-    r = -1;
-  }
-  pthread_rwlock_unlock (&state_lock);
-  return r;
+  if (!ctl_begin (err, errlen))
+    return -1;
+  render_stats (fp, json, cache, req);
+  ctl_end ();
+  return 0;
 }
 
 static int
@@ -96,47 +109,31 @@ ctl_set (const char *name, const char *value, char *err, size_t errlen)
 {
   int r;
 
-  pthread_rwlock_rdlock (&state_lock);
-  if (req)
-    r = set_setting (name, value, err, errlen);
-  else {
-    snprintf (err, errlen, "the cache is not open");
-    r = -1;
-  }
-  pthread_rwlock_unlock (&state_lock);
+  if (!ctl_begin (err, errlen))
+    return -1;
+  r = set_setting (name, value, err, errlen);
+  ctl_end ();
   return r;
 }
 
 static int
 ctl_trigger_gc (char *err, size_t errlen)
 {
-  int r = 0;
-
-  pthread_rwlock_rdlock (&state_lock);
-  if (cache)
-    bcf_trigger_gc (cache);
-  else {
-    snprintf (err, errlen, "the cache is not open");
-    r = -1;
-  }
-  pthread_rwlock_unlock (&state_lock);
-  return r;
+  if (!ctl_begin (err, errlen))
+    return -1;
+  bcf_trigger_gc (cache);
+  ctl_end ();
+  return 0;
 }
 
 static int
 ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
 {
-  int r = 0;
-
-  pthread_rwlock_rdlock (&state_lock);
-  if (cache)
-    render_super (fp, json, cache, cfg.path, export_size);
-  else {
-    snprintf (err, errlen, "the cache is not open");
-    r = -1;
-  }
-  pthread_rwlock_unlock (&state_lock);
-  return r;
+  if (!ctl_begin (err, errlen))
+    return -1;
+  render_super (fp, json, cache, cfg.path, export_size);
+  ctl_end ();
+  return 0;
 }
 
 static const struct bcf_ctl_ops ctl_ops = {

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bcachefilter/cleanup.h"
 #include "bcachefilter/format.h"
 #include "params.h"
 #include "probe.h"
@@ -39,8 +40,8 @@ static int
 check_new_file (void)
 {
   struct stat s;
-  char *dir, *slash;
-  int ok;
+  CLEANUP_FREE char *dir = NULL;
+  char *slash;
 
   if (stat (cfg.path, &s) == 0)
     return 0;
@@ -70,13 +71,11 @@ check_new_file (void)
     *slash = '\0';
   else
     strcpy (dir, ".");
-  ok = access (dir, W_OK | X_OK) == 0;
-  if (!ok)
+  if (access (dir, W_OK | X_OK) == -1) {
     nbdkit_error ("bcache=%s cannot be created: directory %s: %m",
                   cfg.path, dir);
-  free (dir);
-  if (!ok)
     return -1;
+  }
   return check_format_size ((uint64_t) cfg.create_size, "bcache-size");
 }
 
