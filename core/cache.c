@@ -70,7 +70,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
 
   io.path = opts->path;
   io.readonly = opts->readonly;
-  io.mode = (enum bcf_io_mode) opts->io_mode;
+  io.mode = opts->io_mode;
   io.direct = opts->direct_off ? BCF_IO_DIRECT_OFF : BCF_IO_DIRECT_AUTO;
   io.create_size = opts->create_size;
   io.claim = opts->claim;
@@ -255,6 +255,13 @@ uint64_t
 bcf_cache_device_ios (const struct bcf_cache *c)
 {
   return bcf_io_count (c->io);
+}
+
+void
+bcf_release_memory (void)
+{
+  bcf_io_thread_cleanup ();
+  bcf_buf_pool_trim ();
 }
 
 /* ---- stats ------------------------------------------------------------------------ */

@@ -39,6 +39,7 @@
 
 #include "bcachefilter/cache.h"
 #include "bcachefilter/format.h"
+#include "bcachefilter/inspect.h"
 #include "bset.h"
 #include "io.h"
 #include "util.h"
@@ -349,8 +350,11 @@ struct journal {
   unsigned nbuckets;
   size_t max_entry_bytes;
   void *buf;                  /* entry write buffer (aligned) */
-  void *replay;               /* entries kept by journal_read */
-  size_t replay_n, replay_first;
+  /* Kept by journal_read for journal_replay: the scan, and the entries
+   * replay needs in seq order. */
+  struct bcf_journal_scan *replay;
+  const struct bcf_journal_entry **replay_order;
+  size_t replay_n;
   uint64_t writes;
 };
 
@@ -375,9 +379,15 @@ int journal_meta (struct bcf_cache *c);
 uint64_t journal_seal_locked (struct bcf_cache *c);
 /* Set last_seq after a checkpoint committed everything below it. */
 void journal_set_last_seq (struct bcf_cache *c, uint64_t last_seq);
-/* Read the journal at open: find the newest entry (root, uuid and prio
- * pointers, last_seq) and check that last_seq..newest are all present;
- * keep their keys for journal_replay. */
+/* Read every journal bucket of the device whose superblock is sb, and
+ * judge the entries (the one rule: bcachefilter/inspect.h).  Returns 0
+ * with the entries and the verdict in *s (free it with
+ * bcf_journal_scan_free), or -errno if the device could not be read. */
+int journal_scan (struct bcf_io *io, const struct bch_sb *sb,
+                  struct bcf_journal_scan *s);
+/* Read the journal at open: journal_scan, refused with its message
+ * unless the verdict is OK; the newest entry gives the root, uuid and
+ * prio pointers; the entries replay needs are kept for journal_replay. */
 struct journal_replay {
   struct bkey_padded root, uuid_bucket;
   unsigned root_level;
@@ -414,9 +424,7 @@ struct gc_state {
   void *slice_hook_opaque;
 };
 
-/* fsck.c: check the open cache; returns the number of problems, listed
- * one per line in report. */
-int bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len);
+/* fsck.c: bcf_cache_fsck (bcachefilter/inspect.h). */
 /* Test hooks: the device (to arm faults), and a simulated power loss
  * (bcf_io_crash on the device, then the engine is freed without any
  * further I/O). */

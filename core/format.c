@@ -933,8 +933,9 @@ bch_uuid_parse (const char *s, uint8_t uuid[16])
  * ------------------------------------------------------------------------ */
 
 enum bch_status
-bch_journal_bucket_walk (const void *bucket, size_t len, unsigned block_bytes,
-                         uint64_t jset_magic, bch_jset_cb cb, void *opaque,
+bch_journal_bucket_scan (const void *bucket, size_t len, unsigned block_bytes,
+                         uint64_t jset_magic, bch_jset_cb cb,
+                         bch_jset_bad_cb bad, void *opaque,
                          struct bch_diag *diag)
 {
   const uint8_t *base = bucket;
@@ -953,10 +954,17 @@ bch_journal_bucket_walk (const void *bucket, size_t len, unsigned block_bytes,
    * does not pass len either. */
   while (len - off >= BCH_JSET_HEADER_SIZE) {
     struct bch_jset j;
+    struct bch_diag why;
+    enum bch_status st;
     size_t bytes;
 
-    if (bch_jset_decode (base + off, len - off, jset_magic, &j, NULL)
-        != BCH_OK) {
+    /* The reason is only worth formatting for a caller that wants it. */
+    st = bch_jset_decode (base + off, len - off, jset_magic, &j,
+                          bad ? &why : NULL);
+    if (st != BCH_OK) {
+      if (st != BCH_ERR_MAGIC && bad && bad (off, &why, opaque) != 0)
+        return fail (diag, BCH_ERR_INVALID, "the block at byte %zu was "
+                     "rejected by the caller", off);
       off += block_bytes;       /* garbage, a torn entry or free space */
       continue;
     }
@@ -968,4 +976,13 @@ bch_journal_bucket_walk (const void *bucket, size_t len, unsigned block_bytes,
     off += bytes;
   }
   return ok (diag);
+}
+
+enum bch_status
+bch_journal_bucket_walk (const void *bucket, size_t len, unsigned block_bytes,
+                         uint64_t jset_magic, bch_jset_cb cb, void *opaque,
+                         struct bch_diag *diag)
+{
+  return bch_journal_bucket_scan (bucket, len, block_bytes, jset_magic, cb,
+                                  NULL, opaque, diag);
 }

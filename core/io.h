@@ -93,6 +93,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bcachefilter/cache.h"
+
 /* Depth of each thread's io_uring; submits of more segments stream. */
 #define BCF_IO_RING_DEPTH 64
 
@@ -119,11 +121,7 @@ extern void bcf_buf_pool_trim (void);
 
 /* ---- Device ------------------------------------------------------------- */
 
-enum bcf_io_mode {
-  BCF_IO_AUTO = 0,              /* io_uring if available, else sync */
-  BCF_IO_URING,                 /* io_uring or fail to open */
-  BCF_IO_SYNC,                  /* pread / pwrite / fdatasync */
-};
+/* enum bcf_io_mode (auto, uring, sync) is public: bcachefilter/cache.h. */
 
 enum bcf_io_direct {
   BCF_IO_DIRECT_AUTO = 0,       /* O_DIRECT, buffered if refused (default) */

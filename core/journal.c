@@ -42,11 +42,13 @@
  * and tries again.
  *
  * Recovery (journal_read): every journal bucket is scanned block by block
- * for valid entries; the newest valid one gives root, prios, uuids and
- * last_seq; entries last_seq..newest must all be present (else the
- * journal is corrupt and open fails); their keys are replayed in order.
- * A torn or lost newest entry was never acknowledged as durable, so it is
- * simply absent.
+ * (journal_scan, which bcf_journal_inspect gives the tools too); the
+ * newest valid entry gives root, prios, uuids and last_seq; entries
+ * last_seq..newest must all be present, once, with good keys, else the
+ * journal is corrupt and open fails (journal_judge: the one rule, so
+ * bcachefilter-show and the open never disagree); their keys are
+ * replayed in order.  A torn or lost newest entry was never acknowledged
+ * as durable, so it is simply absent.
  *
  * Locking: journal.lock protects all fields; the writer sets `writing`
  * and does its I/O without the lock.  journal.lock is taken inside
@@ -384,86 +386,379 @@ journal_make_room (struct bcf_cache *c)
   return flush_seq (c, seq, false);
 }
 
-/* ---- recovery ---------------------------------------------------------------- */
+/* ---- reading the journal: one scan, one rule ---------------------------------- */
 
-struct jentry {
-  uint64_t seq;
-  unsigned bucket;
-  uint64_t offset;
-  size_t len;
-  struct bch_jset hdr;
-  uint64_t *keys;               /* copied key words */
-};
-
-static int
-cmp_jentry (const void *a, const void *b)
-{
-  const struct jentry *x = a, *y = b;
-  return x->seq < y->seq ? -1 : x->seq > y->seq;
-}
-
-/* Scan one journal bucket (bch_journal_bucket_walk), keeping a copy of
- * every valid entry. */
+/* Builds a struct bcf_journal_scan (bcachefilter/inspect.h) while
+ * bch_journal_bucket_scan walks one bucket after the other. */
 struct scan_ctx {
-  unsigned bucket;
-  struct jentry **ents;
-  size_t *n, *cap;
+  struct bcf_journal_scan *s;
+  size_t cap;
+  unsigned index;               /* the journal bucket being walked */
+  uint64_t bucket;
+  struct bch_key_geometry geo;
   int err;
 };
 
+static struct bcf_journal_entry *
+scan_add (struct scan_ctx *x, size_t offset)
+{
+  struct bcf_journal_scan *s = x->s;
+  struct bcf_journal_entry *e;
+
+  if (s->n == x->cap) {
+    size_t nc = x->cap ? 2 * x->cap : 64;
+    void *p = realloc (s->entries, nc * sizeof *s->entries);
+
+    if (!p) {
+      x->err = -ENOMEM;
+      return NULL;
+    }
+    s->entries = p;
+    x->cap = nc;
+  }
+  e = &s->entries[s->n++];
+  memset (e, 0, sizeof *e);
+  e->index = x->index;
+  e->bucket = x->bucket;
+  e->offset = offset;
+  return e;
+}
+
+/* Decode the key at word *w of a valid entry and check that it points
+ * inside the cache (what replay will insert); advances *w. */
+static enum bch_status
+entry_key (const struct bcf_journal_entry *e, size_t *w,
+           const struct bch_key_geometry *geo, struct bkey_padded *b,
+           struct bch_diag *d)
+{
+  const uint8_t *p = (const uint8_t *) e->words;
+  size_t left = e->hdr.keys - *w;
+  enum bch_status st = bkey_decode (p + 8 * *w, left * 8, b, d);
+
+  if (st == BCH_OK)
+    st = bkey_validate (&b->key, left, 0, geo, d);
+  if (st == BCH_OK)
+    *w += bkey_u64s (&b->key);
+  return st;
+}
+
+/* Count the keys of an entry up to the first bad one (noted in msg). */
+static void
+count_keys (struct bcf_journal_entry *e, const struct bch_key_geometry *geo)
+{
+  size_t w = 0;
+
+  while (w < e->hdr.keys) {
+    struct bkey_padded b;
+    struct bch_diag d;
+    size_t at = w;
+
+    if (entry_key (e, &w, geo, &b, &d) != BCH_OK) {
+      snprintf (e->msg, sizeof e->msg, "bad key at word %zu: %s", at, d.msg);
+      return;
+    }
+    e->nkeys++;
+  }
+}
+
 static int
-keep_entry (const struct bch_jset *js, size_t offset, size_t bytes,
+keep_valid (const struct bch_jset *js, size_t offset, size_t bytes,
             void *opaque)
 {
-  struct scan_ctx *s = opaque;
-  struct jentry *e;
+  struct scan_ctx *x = opaque;
+  struct bcf_journal_entry *e = scan_add (x, offset);
 
-  if (*s->n == *s->cap) {
-    size_t nc = *s->cap ? *s->cap * 2 : 64;
-    void *p = realloc (*s->ents, nc * sizeof **s->ents);
-    if (!p)
-      return s->err = -ENOMEM;
-    *s->ents = p;
-    *s->cap = nc;
+  if (!e)
+    return -1;
+  e->bytes = bytes;
+  e->hdr = *js;
+  e->words = malloc ((size_t) js->keys * 8 + 1);
+  if (!e->words) {
+    x->err = -ENOMEM;
+    return -1;
   }
-  e = &(*s->ents)[*s->n];
-  *e = (struct jentry) {
-    .seq = js->seq, .bucket = s->bucket, .offset = offset, .len = bytes,
-    .hdr = *js, .keys = malloc (js->keys * 8 + 1),
-  };
-  if (!e->keys)
-    return s->err = -ENOMEM;
-  memcpy (e->keys, js->key_words, js->keys * 8);
-  e->hdr.key_words = NULL;
-  (*s->n)++;
+  memcpy (e->words, js->key_words, (size_t) js->keys * 8);
+  e->hdr.key_words = e->words;
+  count_keys (e, &x->geo);
+  x->s->valid++;
   return 0;
 }
 
 static int
-scan_bucket (struct bcf_cache *c, unsigned b, uint8_t *buf,
-             struct jentry **ents, size_t *n, size_t *cap)
+keep_bad (size_t offset, const struct bch_diag *why, void *opaque)
 {
-  struct scan_ctx s = { .bucket = b, .ents = ents, .n = n, .cap = cap };
+  struct bcf_journal_entry *e = scan_add (opaque, offset);
+
+  if (!e)
+    return -1;
+  e->bad = true;
+  snprintf (e->msg, sizeof e->msg, "%s", why->msg);
+  return 0;
+}
+
+static int
+cmp_u64 (const void *a, const void *b)
+{
+  const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
+  return x < y ? -1 : x > y;
+}
+
+bool
+bcf_journal_needed (const struct bcf_journal_scan *s,
+                    const struct bcf_journal_entry *e)
+{
+  return !e->bad && s->newest && e->hdr.seq >= s->newest->hdr.last_seq;
+}
+
+/* The seqs of the entries replay needs, sorted: gaps and duplicates. */
+static void
+find_gaps (struct bcf_journal_scan *s, const uint64_t *seqs, size_t n)
+{
+  uint64_t expect = s->newest->hdr.last_seq;
+
+  for (size_t i = 0; i < n; i++) {
+    if (i > 0 && seqs[i] == seqs[i - 1]) {
+      if (s->ndups < BCF_JOURNAL_LISTED &&
+          (s->ndups == 0 || s->dups[s->ndups - 1] != seqs[i]))
+        s->dups[s->ndups++] = seqs[i];
+      continue;
+    }
+    if (seqs[i] > expect) {
+      if (s->ngaps < BCF_JOURNAL_LISTED) {
+        s->gaps[s->ngaps].from = expect;
+        s->gaps[s->ngaps].to = seqs[i] - 1;
+      }
+      s->ngaps++;
+    }
+    expect = seqs[i] + 1;
+  }
+}
+
+/* The verdict in words, the one message the engine's open and the tools
+ * give. */
+static void
+describe (struct bcf_journal_scan *s)
+{
+  const struct bcf_journal_entry *nw = s->newest;
+  size_t len = 0, size = sizeof s->msg;
+
+  if (s->ngaps) {
+    s->status = BCF_JOURNAL_GAP;
+    len += (size_t) snprintf (s->msg, size, "journal entr%s ",
+                              s->ngaps == 1 && s->gaps[0].from == s->gaps[0].to
+                              ? "y" : "ies");
+    for (size_t i = 0; i < s->ngaps && i < BCF_JOURNAL_LISTED && len < size;
+         i++) {
+      if (s->gaps[i].from == s->gaps[i].to)
+        len += (size_t) snprintf (s->msg + len, size - len, "%s%" PRIu64,
+                                  i ? ", " : "", s->gaps[i].from);
+      else
+        len += (size_t) snprintf (s->msg + len, size - len,
+                                  "%s%" PRIu64 "-%" PRIu64, i ? ", " : "",
+                                  s->gaps[i].from, s->gaps[i].to);
+    }
+    if (len < size)
+      snprintf (s->msg + len, size - len, "%s missing: the newest entry, %"
+                PRIu64 ", needs every entry from its last_seq %" PRIu64
+                " on; the journal is corrupt",
+                s->ngaps > BCF_JOURNAL_LISTED ? ", ..." : "", nw->hdr.seq,
+                nw->hdr.last_seq);
+  }
+  else if (s->ndups) {
+    s->status = BCF_JOURNAL_DUPLICATE;
+    snprintf (s->msg, size, "journal entry %" PRIu64 " is present more than "
+              "once: the journal is corrupt", s->dups[0]);
+  }
+  else if (s->bad_key) {
+    s->status = BCF_JOURNAL_BAD_KEY;
+    snprintf (s->msg, size, "journal entry %" PRIu64 " (bucket %" PRIu64
+              " offset %zu): %s; the journal is corrupt",
+              s->bad_key->hdr.seq, s->bad_key->bucket, s->bad_key->offset,
+              s->bad_key->msg);
+  }
+  else
+    s->status = BCF_JOURNAL_OK;
+}
+
+/* The one rule (bcachefilter/inspect.h): the newest valid entry names
+ * the oldest entry replay needs; every entry from there on must be there
+ * once, with good keys.  Returns 0 or -ENOMEM. */
+static int
+journal_judge (struct bcf_journal_scan *s)
+{
+  uint64_t *seqs;
+  size_t n = 0;
+
+  for (size_t i = 0; i < s->n; i++) {
+    const struct bcf_journal_entry *e = &s->entries[i];
+    if (!e->bad && (!s->newest || e->hdr.seq > s->newest->hdr.seq))
+      s->newest = e;
+  }
+  if (!s->newest) {
+    s->status = BCF_JOURNAL_EMPTY;
+    snprintf (s->msg, sizeof s->msg, "the journal holds no valid entry "
+              "(CACHE_SYNC is set, so there must be one): the journal is "
+              "corrupt");
+    return 0;
+  }
+  seqs = malloc (s->valid * sizeof *seqs);
+  if (!seqs)
+    return -ENOMEM;
+  for (size_t i = 0; i < s->n; i++) {
+    const struct bcf_journal_entry *e = &s->entries[i];
+    if (!bcf_journal_needed (s, e))
+      continue;
+    seqs[n++] = e->hdr.seq;
+    if (e->msg[0] && !s->bad_key)
+      s->bad_key = e;
+  }
+  qsort (seqs, n, sizeof *seqs, cmp_u64);
+  find_gaps (s, seqs, n);
+  free (seqs);
+  describe (s);
+  return 0;
+}
+
+int
+journal_scan (struct bcf_io *io, const struct bch_sb *sb,
+              struct bcf_journal_scan *s)
+{
+  const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
+  const size_t bucket_bytes = (size_t) bucket_sectors << BCH_SECTOR_SHIFT;
+  const unsigned block = (unsigned) sb->block_size << BCH_SECTOR_SHIFT;
+  const unsigned nj = sb->njournal_buckets < BCH_SB_JOURNAL_BUCKETS
+                      ? sb->njournal_buckets : BCH_SB_JOURNAL_BUCKETS;
+  struct scan_ctx x = {
+    .s = s,
+    .geo = { .nbuckets = sb->nbuckets, .bucket_sectors = bucket_sectors,
+             .first_bucket = sb->first_bucket, .nr_in_set = sb->nr_in_set },
+  };
+  uint8_t *buf;
+  int r = 0;
+
+  memset (s, 0, sizeof *s);
+  buf = bcf_buf_alloc (bucket_bytes);
+  if (!buf)
+    return -ENOMEM;
+  for (unsigned i = 0; i < nj && r == 0; i++) {
+    x.index = i;
+    x.bucket = sb->d[i];
+    r = bcf_io_pread (io, buf, bucket_bytes, sb->d[i] * bucket_bytes);
+    if (r == 0 &&
+        bch_journal_bucket_scan (buf, bucket_bytes, block, bch_jset_magic (sb),
+                                 keep_valid, keep_bad, &x, NULL) != BCH_OK)
+      r = x.err ? x.err : -EIO;
+  }
+  bcf_buf_free (buf, bucket_bytes);
+  return r < 0 ? r : journal_judge (s);
+}
+
+void
+bcf_journal_scan_free (struct bcf_journal_scan *s)
+{
+  for (size_t i = 0; i < s->n; i++)
+    free (s->entries[i].words);
+  free (s->entries);
+  memset (s, 0, sizeof *s);
+}
+
+/* ---- recovery ---------------------------------------------------------------- */
+
+static int
+cmp_entry_seq (const void *a, const void *b)
+{
+  const struct bcf_journal_entry *x = *(const struct bcf_journal_entry *const *) a;
+  const struct bcf_journal_entry *y = *(const struct bcf_journal_entry *const *) b;
+  return x->hdr.seq < y->hdr.seq ? -1 : x->hdr.seq > y->hdr.seq;
+}
+
+/* The entries replay needs, in seq order, into j->replay_order. */
+static int
+order_for_replay (struct journal *j)
+{
+  const struct bcf_journal_scan *s = j->replay;
+  size_t n = 0;
+
+  j->replay_order = malloc ((s->valid ? s->valid : 1)
+                            * sizeof *j->replay_order);
+  if (!j->replay_order)
+    return -ENOMEM;
+  for (size_t i = 0; i < s->n; i++)
+    if (bcf_journal_needed (s, &s->entries[i]))
+      j->replay_order[n++] = &s->entries[i];
+  qsort (j->replay_order, n, sizeof *j->replay_order, cmp_entry_seq);
+  j->replay_n = n;
+  return 0;
+}
+
+/* Continue writing after the newest entry; note the newest entry in each
+ * journal bucket, for reuse. */
+static void
+continue_after (struct journal *j, const struct bcf_journal_scan *s)
+{
+  const struct bcf_journal_entry *nw = s->newest;
+
+  j->seq = nw->hdr.seq + 1;
+  j->durable_seq = nw->hdr.seq;
+  j->last_seq = nw->hdr.last_seq;
+  j->cur = nw->index;
+  j->cur_offset = nw->offset + nw->bytes;
+  for (size_t i = 0; i < s->n; i++) {
+    const struct bcf_journal_entry *e = &s->entries[i];
+    if (!e->bad && e->hdr.seq > j->bucket_seq[e->index])
+      j->bucket_seq[e->index] = e->hdr.seq;
+  }
+}
+
+int
+journal_read (struct bcf_cache *c, struct journal_replay *rp, char *err,
+              size_t errlen)
+{
+  struct journal *j = &c->journal;
+  const struct bcf_journal_entry *nw;
   int r;
 
-  r = bcf_io_pread (c->io, buf, c->bucket_bytes,
-                    c->sb.d[b] * c->bucket_bytes);
-  if (r < 0)
-    return r;
-  if (bch_journal_bucket_walk (buf, c->bucket_bytes, c->block_bytes,
-                               bch_jset_magic (&c->sb), keep_entry, &s, NULL)
-      != BCH_OK)
-    return s.err ? s.err : -EIO;
+  memset (rp, 0, sizeof *rp);
+  j->replay = calloc (1, sizeof *j->replay);
+  if (!j->replay)
+    return -ENOMEM;
+  if ((r = journal_scan (c->io, &c->sb, j->replay)) < 0) {
+    snprintf (err, errlen, "reading the journal: %s", strerror (-r));
+    goto fail;
+  }
+  if (j->replay->status != BCF_JOURNAL_OK) {
+    snprintf (err, errlen, "%s", j->replay->msg);
+    r = -EUCLEAN;
+    goto fail;
+  }
+  if ((r = order_for_replay (j)) < 0)
+    goto fail;
+  nw = j->replay->newest;
+  rp->root = nw->hdr.btree_root;
+  rp->uuid_bucket = nw->hdr.uuid_bucket;
+  rp->root_level = nw->hdr.btree_level;
+  rp->prio_head = nw->hdr.prio_bucket[0];
+  rp->first_seq = nw->hdr.last_seq;
+  rp->last_seq = nw->hdr.seq;
+  rp->entries = j->replay_n;
+  continue_after (j, j->replay);
   return 0;
+
+ fail:
+  journal_replay_done (c);
+  return r;
 }
 
 static int
-replay_keys (struct bcf_cache *c, const struct jentry *e,
+replay_keys (struct bcf_cache *c, const struct bcf_journal_entry *e,
              int (*cb) (struct bcf_cache *, const struct ckey *, uint64_t,
                         void *),
              void *opaque, uint64_t *nkeys, char *err, size_t errlen)
 {
-  const uint8_t *p = (const uint8_t *) e->keys;
+  const struct bch_key_geometry geo = {
+    .nbuckets = c->sb.nbuckets, .bucket_sectors = c->bucket_sectors,
+    .first_bucket = c->sb.first_bucket, .nr_in_set = c->sb.nr_in_set,
+  };
   size_t w = 0;
 
   while (w < e->hdr.keys) {
@@ -472,113 +767,26 @@ replay_keys (struct bcf_cache *c, const struct jentry *e,
     struct bch_diag d;
     int r;
 
-    const struct bch_key_geometry geo = {
-      .nbuckets = c->sb.nbuckets, .bucket_sectors = c->bucket_sectors,
-      .first_bucket = c->sb.first_bucket, .nr_in_set = 1,
-    };
-
-    if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, &d) != BCH_OK ||
-        bkey_validate (&b.key, e->hdr.keys - w, 0, &geo, &d) != BCH_OK) {
+    /* journal_judge checked every key already: this cannot fail. */
+    if (entry_key (e, &w, &geo, &b, &d) != BCH_OK) {
       snprintf (err, errlen, "journal entry %" PRIu64 ": bad key: %s",
-                e->seq, d.msg);
+                e->hdr.seq, d.msg);
       return -EUCLEAN;
     }
-    w += bkey_u64s (&b.key);
     if (!ckey_from_bkey (&b.key, &k)) {
       snprintf (err, errlen, "journal entry %" PRIu64 ": key with several "
                 "pointers (multi-device cache sets are not supported)",
-                e->seq);
+                e->hdr.seq);
       return -ENOTSUP;
     }
-    if ((r = cb (c, &k, e->seq, opaque)) < 0) {
+    if ((r = cb (c, &k, e->hdr.seq, opaque)) < 0) {
       snprintf (err, errlen, "replaying journal entry %" PRIu64 ": %s",
-                e->seq, strerror (-r));
+                e->hdr.seq, strerror (-r));
       return r;
     }
     (*nkeys)++;
   }
   return 0;
-}
-
-int
-journal_read (struct bcf_cache *c, struct journal_replay *rp, char *err,
-              size_t errlen)
-{
-  struct journal *j = &c->journal;
-  struct jentry *ents = NULL;
-  size_t n = 0, cap = 0, first;
-  const struct jentry *newest;
-  uint8_t *buf;
-  int r = 0;
-
-  memset (rp, 0, sizeof *rp);
-  buf = bcf_buf_alloc (c->bucket_bytes);
-  if (!buf)
-    return -ENOMEM;
-  for (unsigned b = 0; b < j->nbuckets && r == 0; b++)
-    r = scan_bucket (c, b, buf, &ents, &n, &cap);
-  bcf_buf_free (buf, c->bucket_bytes);
-  if (r < 0) {
-    snprintf (err, errlen, "reading the journal: %s", strerror (-r));
-    goto fail;
-  }
-  if (n == 0) {
-    snprintf (err, errlen, "the journal holds no valid entry (CACHE_SYNC is "
-              "set, so there must be one): the cache is corrupt");
-    r = -EUCLEAN;
-    goto fail;
-  }
-  qsort (ents, n, sizeof *ents, cmp_jentry);
-  newest = &ents[n - 1];
-
-  /* Entries last_seq..newest must all be there, each once. */
-  for (first = n - 1; first > 0 && ents[first - 1].seq >= newest->hdr.last_seq;)
-    first--;
-  if (ents[first].seq > newest->hdr.last_seq) {
-    snprintf (err, errlen, "journal entries %" PRIu64 "..%" PRIu64
-              " are missing (newest entry %" PRIu64 " needs them): the "
-              "journal is corrupt", newest->hdr.last_seq,
-              ents[first].seq - 1, newest->seq);
-    r = -EUCLEAN;
-    goto fail;
-  }
-  for (size_t i = first + 1; i < n; i++)
-    if (ents[i].seq != ents[i - 1].seq + 1) {
-      snprintf (err, errlen, "journal entry %" PRIu64 " is missing (found "
-                "%" PRIu64 " and %" PRIu64 "): the journal is corrupt",
-                ents[i - 1].seq + 1, ents[i - 1].seq, ents[i].seq);
-      r = -EUCLEAN;
-      goto fail;
-    }
-
-  rp->root = newest->hdr.btree_root;
-  rp->uuid_bucket = newest->hdr.uuid_bucket;
-  rp->root_level = newest->hdr.btree_level;
-  rp->prio_head = newest->hdr.prio_bucket[0];
-  rp->first_seq = ents[first].seq;
-  rp->last_seq = newest->seq;
-  rp->entries = n - first;
-
-  /* Continue after the newest entry. */
-  j->seq = newest->seq + 1;
-  j->durable_seq = newest->seq;
-  j->last_seq = newest->hdr.last_seq;
-  j->cur = newest->bucket;
-  j->cur_offset = newest->offset + newest->len;
-  for (size_t i = 0; i < n; i++)
-    if (ents[i].seq > j->bucket_seq[ents[i].bucket])
-      j->bucket_seq[ents[i].bucket] = ents[i].seq;
-
-  j->replay = ents;
-  j->replay_n = n;
-  j->replay_first = first;
-  return 0;
-
- fail:
-  for (size_t i = 0; i < n; i++)
-    free (ents[i].keys);
-  free (ents);
-  return r;
 }
 
 int
@@ -588,12 +796,11 @@ journal_replay (struct bcf_cache *c,
                 void *opaque, uint64_t *nkeys, char *err, size_t errlen)
 {
   struct journal *j = &c->journal;
-  struct jentry *ents = j->replay;
   int r = 0;
 
   *nkeys = 0;
-  for (size_t i = j->replay_first; i < j->replay_n && r == 0; i++)
-    r = replay_keys (c, &ents[i], cb, opaque, nkeys, err, errlen);
+  for (size_t i = 0; i < j->replay_n && r == 0; i++)
+    r = replay_keys (c, j->replay_order[i], cb, opaque, nkeys, err, errlen);
   journal_replay_done (c);
   return r;
 }
@@ -602,11 +809,13 @@ void
 journal_replay_done (struct bcf_cache *c)
 {
   struct journal *j = &c->journal;
-  struct jentry *ents = j->replay;
 
-  for (size_t i = 0; i < j->replay_n; i++)
-    free (ents[i].keys);
-  free (ents);
+  if (j->replay) {
+    bcf_journal_scan_free (j->replay);
+    free (j->replay);
+  }
+  free (j->replay_order);
   j->replay = NULL;
-  j->replay_n = j->replay_first = 0;
+  j->replay_order = NULL;
+  j->replay_n = 0;
 }

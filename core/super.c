@@ -2,14 +2,16 @@
  *
  * Design
  * ------
- * What the device holds decides what open does:
+ * What the device holds decides what open does (classify: the same
+ * verdict bcf_device_probe gives callers who ask first, bcachefilter/
+ * probe.h):
  *
- *   all zero at 0..8 KiB       blank: format it (policy auto or force)
- *   bcache cache superblock,   made by make-bcache -C and never
- *     CACHE_SYNC clear         registered: first registration, like the
- *                              kernel (research/bcache.md §1.9)
- *   bcache cache superblock,   a live cache: read the journal, prios,
- *     CACHE_SYNC set           uuids and btree, replay, check identity
+ *   BLANK                      format it (policy auto or force)
+ *   MAKE_BCACHE (a cache       first registration, like the kernel
+ *     superblock, CACHE_SYNC   (research/bcache.md §1.9)
+ *     clear)
+ *   CACHE (CACHE_SYNC set)     a live cache: read the journal, prios,
+ *                              uuids and btree, replay, check identity
  *   anything else              refused (policy force overwrites it)
  *
  * First registration (also the second half of a format): journal buckets
@@ -48,6 +50,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bcachefilter/probe.h"
 #include "engine.h"
 #include "super.h"
 
@@ -79,62 +82,167 @@ set_geometry (struct bcf_cache *c)
   c->set_magic = bch_set_magic (&c->sb);
 }
 
+/* ---- what the device holds (bcachefilter/probe.h) ---------------------------- */
+
+/* Offset of the first non-zero byte of buf (which starts at device
+ * offset off), or UINT64_MAX. */
+static uint64_t
+first_nonzero (const uint8_t *buf, size_t len, uint64_t off)
+{
+  for (size_t i = 0; i < len; i++)
+    if (buf[i])
+      return off + i;
+  return UINT64_MAX;
+}
+
 /* A device is blank only if nothing else's signature is there either:
  * btrfs keeps its superblock at 64 KiB, md and GPT keep copies at the
- * end.  Look at the first and the last MiB. */
-static bool
-edges_zero (struct bcf_io *io)
+ * end.  Find the first non-zero byte in the first and the last MiB
+ * (UINT64_MAX: none).  Returns 0 or -errno. */
+static int
+edges_first_nonzero (struct bcf_io *io, uint64_t *at)
 {
   const uint64_t size = bcf_io_size (io);
   const size_t span = 1 << 20;
   uint8_t *buf = bcf_buf_alloc (span);
-  bool zero = buf != NULL;
+  int r = 0;
 
-  for (int i = 0; i < 2 && zero; i++) {
+  *at = UINT64_MAX;
+  if (!buf)
+    return -ENOMEM;
+  for (int i = 0; i < 2 && r == 0 && *at == UINT64_MAX; i++) {
     uint64_t off = i == 0 ? 0 : size > span ? size - span : 0;
     size_t len = size < span ? (size_t) size / 4096 * 4096 : span;
-    zero = bcf_io_pread (io, buf, len, off) == 0 && bch_is_zero (buf, len);
+    r = bcf_io_pread (io, buf, len, off);
+    if (r == 0)
+      *at = first_nonzero (buf, len, off);
   }
-  if (buf)
-    bcf_buf_free (buf, span);
-  return zero;
+  bcf_buf_free (buf, span);
+  return r;
 }
 
-/* The one definition of a blank device (format policy auto formats it):
- * the superblock area (head, the first 8 KiB, already read) and the
- * edges are all zero. */
-static bool
-device_blank (struct bcf_io *io, const uint8_t *head)
+/* The one classification of a device (the table in bcachefilter/
+ * probe.h), from its first 8 KiB (head) and, when those are zero, its
+ * edges.  super_open and bcf_device_probe both decide by it.  Returns 0,
+ * or -errno if the edges could not be read. */
+static int
+classify (struct bcf_io *io, const uint8_t *head, struct bcf_device_verdict *v)
 {
-  return bch_is_zero (head, 2 * BCH_SB_AREA_SIZE) && edges_zero (io);
-}
-
-int
-bcf_device_blank (const char *path, bool *blank, char *err, size_t errlen)
-{
-  struct bcf_io_opts o = { .path = path, .readonly = true };
-  struct bcf_io *io;
-  uint8_t *buf = NULL;
+  struct bch_diag d;
+  enum bch_status st;
   int r;
 
-  *blank = false;
-  if ((r = bcf_io_open (&o, &io, err, errlen)) < 0)
-    return r;
-  if (bcf_io_size (io) < 2 * BCH_SB_AREA_SIZE)
-    goto out;                           /* too small: not blank, not a cache */
-  if (!(buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE))) {
-    r = -ENOMEM;
-    goto out;
+  if (bch_is_zero (head, 2 * BCH_SB_AREA_SIZE)) {
+    if ((r = edges_first_nonzero (io, &v->data_at)) < 0)
+      return r;
+    v->kind = v->data_at == UINT64_MAX ? BCF_DEVICE_BLANK : BCF_DEVICE_FOREIGN;
+    if (v->kind == BCF_DEVICE_FOREIGN)
+      snprintf (v->reason, sizeof v->reason, "its superblock area is zero "
+                "but byte %" PRIu64 " is not (a filesystem, RAID or "
+                "partition table signature?)", v->data_at);
+    return 0;
   }
+  st = bch_sb_decode (head + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &v->sb, &d);
+  if (st == BCH_OK)
+    st = bch_sb_validate (&v->sb, v->size >> BCH_SECTOR_SHIFT, &d);
+  switch (st) {
+  case BCH_OK:
+    v->kind = v->sb.flags & BCH_CACHE_SYNC ? BCF_DEVICE_CACHE
+              : BCF_DEVICE_MAKE_BCACHE;
+    return 0;
+  case BCH_ERR_MAGIC:
+    v->kind = BCF_DEVICE_FOREIGN;
+    break;
+  case BCH_ERR_BACKING:
+    v->kind = BCF_DEVICE_BACKING;
+    break;
+  default:
+    v->kind = BCF_DEVICE_CORRUPT;
+    v->error = -EUCLEAN;
+    snprintf (v->reason, sizeof v->reason, "bad bcache superblock: %s",
+              d.msg);
+    return 0;
+  }
+  snprintf (v->reason, sizeof v->reason, "%s", d.msg);
+  return 0;
+}
+
+/* Classify the device open on io into *v.  Returns 0, or -errno with a
+ * message in err. */
+static int
+probe_io (struct bcf_io *io, struct bcf_device_verdict *v, char *err,
+          size_t errlen)
+{
+  const char *path = bcf_io_path (io);
+  uint8_t *buf;
+  int r;
+
+  memset (v, 0, sizeof *v);
+  v->size = bcf_io_size (io);
+  v->data_at = UINT64_MAX;
+  if (v->size < 2 * BCH_SB_AREA_SIZE) {
+    v->kind = BCF_DEVICE_TOO_SMALL;
+    snprintf (v->reason, sizeof v->reason, "%" PRIu64 " bytes; a cache "
+              "needs more than %u (its superblock is at byte %u)", v->size,
+              2 * BCH_SB_AREA_SIZE, BCH_SB_OFFSET);
+    return 0;
+  }
+  buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE);
+  if (!buf)
+    return -ENOMEM;
   r = bcf_io_pread (io, buf, 2 * BCH_SB_AREA_SIZE, 0);
   if (r < 0)
     snprintf (err, errlen, "reading the superblock of %s: %s", path,
               strerror (-r));
-  else
-    *blank = device_blank (io, buf);
+  else if ((r = classify (io, buf, v)) < 0)
+    snprintf (err, errlen, "reading %s: %s", path, strerror (-r));
   bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
- out:
+  return r;
+}
+
+/* A registered cache, opened read-only as bcf_cache_open will open it
+ * for real (every checksum, the journal, prios, uuids and btree): whose
+ * export it holds, or CORRUPT with the open's reason. */
+static void
+check_cache (const char *path, const struct bcf_probe_opts *opts,
+             struct bcf_device_verdict *v)
+{
+  struct bcf_cache_opts o = {
+    .path = path, .readonly = true, .io_mode = BCF_IO_SYNC,
+    .direct_off = opts->direct_off, .format = BCF_FORMAT_NEVER,
+  };
+  struct bcf_cache *c;
+  int r = bcf_cache_open (&o, &c, v->reason, sizeof v->reason);
+
+  if (r < 0) {
+    v->kind = BCF_DEVICE_CORRUPT;
+    v->error = r;
+    return;
+  }
+  v->has_owner = bcf_cache_owner (c, v->owner_uuid, &v->owner_bytes);
+  bcf_cache_close (c);
+}
+
+int
+bcf_device_probe (const char *path, const struct bcf_probe_opts *opts,
+                  struct bcf_device_verdict *v, char *err, size_t errlen)
+{
+  static const struct bcf_probe_opts defaults;
+  struct bcf_io_opts o = { .path = path, .readonly = true };
+  struct bcf_io *io;
+  int r;
+
+  if (!opts)
+    opts = &defaults;
+  o.mode = BCF_IO_SYNC;
+  o.direct = opts->direct_off ? BCF_IO_DIRECT_OFF : BCF_IO_DIRECT_AUTO;
+  memset (v, 0, sizeof *v);
+  if ((r = bcf_io_open (&o, &io, err, errlen)) < 0)
+    return r;
+  r = probe_io (io, v, err, errlen);
   bcf_io_close (io);
+  if (r == 0 && v->kind == BCF_DEVICE_CACHE && opts->check)
+    check_cache (path, opts, v);
   return r;
 }
 
@@ -554,50 +662,36 @@ int
 super_open (struct bcf_cache *c, char *err, size_t errlen)
 {
   const char *path = bcf_io_path (c->io);
-  uint64_t dev_sectors = bcf_io_size (c->io) >> BCH_SECTOR_SHIFT;
-  uint8_t *buf;
-  struct bch_diag d;
-  enum bch_status st;
-  bool blank, foreign;
+  struct bcf_device_verdict v;
+  bool foreign;
   int r;
 
-  if (bcf_io_size (c->io) < 2 * BCH_SB_AREA_SIZE) {
+  if ((r = probe_io (c->io, &v, err, errlen)) < 0)
+    return r;
+  c->sb = v.sb;
+  if (v.kind == BCF_DEVICE_TOO_SMALL) {
     snprintf (err, errlen, "%s is too small to be a cache (%" PRIu64
-              " bytes)", path, bcf_io_size (c->io));
+              " bytes)", path, v.size);
     return -ENOSPC;
   }
-  buf = bcf_buf_alloc (2 * BCH_SB_AREA_SIZE);
-  if (!buf)
-    return -ENOMEM;
-  r = bcf_io_pread (c->io, buf, 2 * BCH_SB_AREA_SIZE, 0);
-  if (r < 0) {
-    snprintf (err, errlen, "reading the superblock of %s: %s", path,
-              strerror (-r));
-    bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
-    return r;
-  }
-  blank = device_blank (c->io, buf);
-  st = bch_sb_decode (buf + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &c->sb, &d);
-  if (st == BCH_OK)
-    st = bch_sb_validate (&c->sb, dev_sectors, &d);
-  bcf_buf_free (buf, 2 * BCH_SB_AREA_SIZE);
-
-  if (c->opts.readonly && (blank || st != BCH_OK ||
-                           !(c->sb.flags & BCH_CACHE_SYNC))) {
+  if (c->opts.readonly && v.kind != BCF_DEVICE_CACHE) {
     snprintf (err, errlen, "%s is not an initialised bcache cache (%s)", path,
-              blank ? "blank" : st != BCH_OK ? d.msg
-              : "made by make-bcache, never registered");
-    return st == BCH_ERR_MAGIC || blank ? -EMEDIUMTYPE : -EUCLEAN;
+              v.kind == BCF_DEVICE_BLANK ? "blank"
+              : v.kind == BCF_DEVICE_MAKE_BCACHE
+              ? "made by make-bcache, never registered" : v.reason);
+    return v.kind == BCF_DEVICE_BLANK || v.kind == BCF_DEVICE_FOREIGN
+           ? -EMEDIUMTYPE : -EUCLEAN;
   }
   if (c->opts.format == BCF_FORMAT_FORCE) {
-    if (!blank && (r = zero_superblock (c)) < 0) {
+    if (v.kind != BCF_DEVICE_BLANK && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,
                 strerror (-r));
       return r;
     }
-    blank = true;
+    v.kind = BCF_DEVICE_BLANK;
   }
-  if (blank) {
+  switch (v.kind) {
+  case BCF_DEVICE_BLANK:
     if (c->opts.format == BCF_FORMAT_NEVER) {
       snprintf (err, errlen, "%s is blank, not a cache; format it first "
                 "(bcachefilter-format) or allow formatting", path);
@@ -606,22 +700,20 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     if ((r = new_superblock (c, err, errlen)) < 0)
       return r;
     return first_registration (c, err, errlen);
-  }
-  if (st != BCH_OK) {
-    switch (st) {
-    case BCH_ERR_MAGIC:
-      snprintf (err, errlen, "%s holds data that is not a bcache cache "
-                "device; refusing to overwrite it (format it explicitly "
-                "with force if it is really meant to be a cache)", path);
-      return -EMEDIUMTYPE;
-    case BCH_ERR_BACKING:
-      snprintf (err, errlen, "%s is a bcache backing device, not a cache "
-                "device", path);
-      return -EMEDIUMTYPE;
-    default:
-      snprintf (err, errlen, "%s: bad bcache superblock: %s", path, d.msg);
-      return -EUCLEAN;
-    }
+  case BCF_DEVICE_FOREIGN:
+    snprintf (err, errlen, "%s holds data that is not a bcache cache "
+              "device; refusing to overwrite it (format it explicitly "
+              "with force if it is really meant to be a cache)", path);
+    return -EMEDIUMTYPE;
+  case BCF_DEVICE_BACKING:
+    snprintf (err, errlen, "%s is a bcache backing device, not a cache "
+              "device", path);
+    return -EMEDIUMTYPE;
+  case BCF_DEVICE_CORRUPT:
+    snprintf (err, errlen, "%s: %s", path, v.reason);
+    return -EUCLEAN;
+  default:
+    break;                      /* MAKE_BCACHE, CACHE */
   }
   set_geometry (c);
   if (c->sb.nr_in_set != 1) {
@@ -636,7 +728,7 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
               bcf_io_block_size (c->io));
     return -EINVAL;
   }
-  if (!(c->sb.flags & BCH_CACHE_SYNC)) {
+  if (v.kind == BCF_DEVICE_MAKE_BCACHE) {
     if (c->opts.format == BCF_FORMAT_NEVER) {
       snprintf (err, errlen, "%s was made by make-bcache but never "
                 "registered; allow formatting to initialise it", path);

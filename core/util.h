@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/cleanup.h"   /* CLEANUP_FREE, CLEANUP_CLOSE */
 
 /* ---- Time ---------------------------------------------------------------- */
 
@@ -45,22 +46,5 @@ typedef void bcf_log_fn (void *opaque, enum bcf_log_level level,
 /* Format a message and hand it to fn (nothing if fn is NULL). */
 void bcf_log_to (bcf_log_fn *fn, void *opaque, enum bcf_log_level level,
                  const char *fmt, ...) __attribute__ ((format (printf, 4, 5)));
-
-/* ---- Scoped cleanup (nbdkit's CLEANUP_FREE habit) ------------------------- */
-
-static inline void
-bcf_cleanup_free (void *ptr)
-{
-  free (*(void **) ptr);
-}
-#define CLEANUP_FREE __attribute__ ((cleanup (bcf_cleanup_free)))
-
-static inline void
-bcf_cleanup_close (int *fd)
-{
-  if (*fd >= 0)
-    close (*fd);
-}
-#define CLEANUP_CLOSE __attribute__ ((cleanup (bcf_cleanup_close)))
 
 #endif /* BCACHEFILTER_UTIL_H */

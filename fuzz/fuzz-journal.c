@@ -16,7 +16,10 @@
  * size of its keys, and that bch_jset_decode at its offset (over the rest
  * of the bucket and over an exactly-sized copy of the entry alone) gives
  * the same entry.  After the walk, the list of entries must equal what
- * the engine's scan_bucket loop (core/journal.c), written out here, finds.
+ * the engine's loop, written out here, finds.  bch_journal_bucket_scan
+ * (the walk core/journal.c's journal_scan uses) must find the same
+ * entries, and report as bad only blocks that carry the magic but do not
+ * decode, with the decoder's reason.
  */
 #include <config.h>
 
@@ -46,6 +49,43 @@ static size_t
 round_up (size_t v, size_t a)
 {
   return (v + a - 1) / a * a;
+}
+
+/* bch_journal_bucket_scan's callbacks: count the valid entries; check
+ * each bad block (aligned, inside, not decodable, not free space, the
+ * reason being the decoder's). */
+struct scan_ctx {
+  const uint8_t *bucket;
+  size_t len;
+  unsigned block;
+  uint64_t magic;
+  unsigned valid, bad;
+};
+
+static int
+scan_valid (const struct bch_jset *j, size_t offset, size_t bytes,
+            void *opaque)
+{
+  ((struct scan_ctx *) opaque)->valid++;
+  return 0;
+}
+
+static int
+scan_bad (size_t offset, const struct bch_diag *why, void *opaque)
+{
+  struct scan_ctx *c = opaque;
+  struct bch_jset j;
+  struct bch_diag d;
+  enum bch_status st;
+
+  FUZZ_ASSERT (offset % c->block == 0);
+  FUZZ_ASSERT (offset < c->len);
+  st = bch_jset_decode (c->bucket + offset, c->len - offset, c->magic, &j,
+                        &d);
+  FUZZ_ASSERT (st != BCH_OK && st != BCH_ERR_MAGIC);
+  FUZZ_ASSERT (why->status == st && strcmp (why->msg, d.msg) == 0);
+  c->bad++;
+  return 0;
 }
 
 static void
@@ -262,6 +302,15 @@ LLVMFuzzerTestOneInput (const uint8_t *data, size_t size)
                                                    NULL, NULL, &d2);
     fuzz_check_diag (st2, &d2);
     FUZZ_ASSERT_DIAG (st2 == BCH_OK, d2);
+
+    /* With a bad-block callback: the same entries. */
+    struct scan_ctx sc = { .bucket = bucket, .len = len, .block = block,
+                           .magic = magic };
+    st2 = bch_journal_bucket_scan (bucket, len, block, magic, scan_valid,
+                                   scan_bad, &sc, &d2);
+    fuzz_check_diag (st2, &d2);
+    FUZZ_ASSERT_DIAG (st2 == BCH_OK, d2);
+    FUZZ_ASSERT (sc.valid == nref);
   }
 
   free (c);

@@ -18,8 +18,9 @@
 #     ignores permissions), /proc/version.
 #  6. A cache made for another export: a remote of another size, another
 #     bcache-backing-uuid: refused; the cache still works for its own
-#     export; bcache-format=force re-purposes it and serves the new
-#     export's data, not the old one's.
+#     export; the same export resized: every connection refused;
+#     bcache-format=force re-purposes it and serves the new export's
+#     data, not the old one's.
 #  7. Unaligned and out-of-range requests (tests/filter/requests.py):
 #     out-of-range ones fail, the server survives, unaligned ones are
 #     right.
@@ -283,6 +284,26 @@ soft "another export (uuid)" \
 # Still good for its own export, and still warm.
 start_proxy p bcache="$d/good"
 check_proxy "the cache after it was refused for another export"
+stop_nbdkit "$p_pid"
+# The same export resized (its bcache-backing-uuid, another size): the
+# export's size is known only from a connection, so nbdkit starts, but
+# every connection is refused, naming both sizes, and nothing is served;
+# the cache still serves its own export afterwards.
+uuid=6d0c1a5e-8f3b-4c2d-9e7a-0b1c2d3e4f50
+start_proxy p bcache="$d/resized" bcache-size=64M bcache-backing-uuid=$uuid
+check_proxy "a cache with its own bcache-backing-uuid"
+stop_nbdkit "$p_pid"
+st=0
+timeout 60 nbdkit -U - "${F[@]}" nbd socket="$other_sock" bcache="$d/resized" \
+    bcache-backing-uuid=$uuid \
+    --run "'$PYTHON' '$filterdir/nbdio.py' \$unixsocket size" \
+    > "$d/resized.err" 2>&1 || st=$?
+cat "$d/resized.err"
+[ "$st" -ne 0 ] || bad+=("a resized export was served")
+grep -q "this export has 50331648 bytes but the cache holds an export of 33554432 bytes" \
+    "$d/resized.err" || bad+=("a resized export was refused without naming the sizes")
+start_proxy p bcache="$d/resized" bcache-backing-uuid=$uuid
+check_proxy "the cache after it was refused for a resized export"
 stop_nbdkit "$p_pid"
 # Forced onto the other export: its data, not the old cached data.
 head -c 48M /dev/urandom > "$d/data48"

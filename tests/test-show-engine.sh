@@ -11,6 +11,9 @@
 #   - a zeroed journal: status 7, "holds no valid entry";
 #   - a gap in the journal (the newest entry renumbered, checksum
 #     recomputed): status 7, the missing entries named;
+#   - the newest entry written twice: status 7, the entry named;
+#   (the journal mode and the engine's open judge a journal by the same
+#   rule, so for each of these they give the same message)
 #   - a torn newest entry (bad checksum): not an error — it is ignored,
 #     the previous entry is the newest, and the cache is clean;
 #   - a zeroed prio bucket: status 7, the prio bucket named;
@@ -37,6 +40,8 @@ tmpdir d
 
 # edit.py: edit a cache image.
 #   flip IMG OFFSET                      xor the byte at OFFSET with 1
+#   copy IMG FROM TO LEN                 copy LEN bytes from byte FROM to
+#                                        byte TO
 #   jset-seq IMG OFFSET SEQ              set the seq of the jset at byte
 #                                        OFFSET and recompute its checksum
 #   node-append IMG NODE_OFFSET PTR MAGIC WRITTEN KEY...
@@ -77,6 +82,10 @@ with open(path, "r+b") as f:
         off = int(args[0])
         f.seek(off); b = f.read(1)
         f.seek(off); f.write(bytes([b[0] ^ 1]))
+    elif cmd == "copy":
+        src, dst, n = int(args[0]), int(args[1]), int(args[2])
+        f.seek(src); data = f.read(n)
+        f.seek(dst); f.write(data)
     elif cmd == "jset-seq":
         off, seq = int(args[0]), int(args[1])
         f.seek(off); j = bytearray(f.read(32768))
@@ -223,9 +232,22 @@ grep -qF "replay needs entries $last_seq-$((seq + 2)): some are MISSING" "$d/out
 expect 7 '"from": '"$seq" bcachefilter-show --journal --json "$img"
 test "$(jget "$d/out" 'j["missing"]')" = "[{'from': $seq, 'to': $((seq + 1))}]"
 test "$(jget "$d/out" 'j["status"]')" = corrupt
-expect 7 "journal entries $seq..$((seq + 1)) are missing" \
-       bcachefilter-show --fsck "$img"
-expect 7 "are missing" bcachefilter-show --btree "$img"
+# The engine's open (--fsck, --btree) refuses it by the same verdict, with
+# the same message.
+gap="journal entries $seq-$((seq + 1)) missing: the newest entry, $((seq + 2)), needs every entry from its last_seq $last_seq on"
+expect 7 "corrupt: $gap" bcachefilter-show --fsck "$img"
+expect 7 "corrupt: $gap" bcachefilter-show --btree "$img"
+
+# ------------------------------------------------------------------------
+# A duplicate: the newest entry (one block: a fresh cache's entries hold
+# no keys) copied into the free block after it.
+
+fresh
+edit copy "$img" $((jb * bb + joff)) $((jb * bb + joff + bs)) $bs
+dup="journal entry $seq is present more than once: the journal is corrupt"
+expect 7 "$dup" bcachefilter-show --journal "$img"
+grep -qF "replay needs entries $last_seq-$seq: some are DUPLICATED" "$d/out"
+expect 7 "corrupt: $dup" bcachefilter-show --fsck "$img"
 
 # ------------------------------------------------------------------------
 # A torn newest entry (its checksum no longer matches): as after a crash

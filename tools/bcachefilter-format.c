@@ -13,17 +13,19 @@
  *   1. parse_options: sizes like 512k / 1M / 4096, validated here so that
  *      a bad value gets a message naming the option (powers of two, bucket
  *      4 KiB .. 16 MiB, block 512 .. 4096, block <= bucket).
- *   2. inspect: read the first 8 KiB of DEVICE (and, when those are zero,
- *      the first and last MiB) to decide what is there:
+ *   2. inspect: the engine's probe (bcf_device_probe, bcachefilter/
+ *      probe.h: the classification its open decides by) says what is
+ *      there:
  *        missing          created with --size, else an error;
  *        blank            formatted;
  *        made by          initialised with its own geometry (options that
  *          make-bcache -C   ask for another geometry are refused);
  *        a live cache     (CACHE_SYNC set) refused unless --force: the
  *                         engine would open it, not format it;
- *        zero superblock  refused unless --force: a filesystem, RAID or
- *          but data later   volume signature may live past 8 KiB, which
- *                         the engine's blank test does not look at;
+ *        zero superblock  refused unless --force, naming the first byte
+ *          but data in the  that is not zero: a filesystem, RAID or
+ *          first or last    volume signature may live past 8 KiB;
+ *          MiB
  *        anything else    left to the engine, which refuses it
  *                         (-EMEDIUMTYPE: foreign data or a backing device,
  *                         -EUCLEAN: a damaged bcache superblock); the
@@ -63,14 +65,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <sys/ioctl.h>
 #include <sys/stat.h>
-#include <linux/fs.h>
 
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
-#include "io.h"
+#include "bcachefilter/probe.h"
 
 #define PROGRAM_NAME "bcachefilter-format"
 
@@ -92,8 +92,6 @@ enum {
 #define MAX_BLOCK_BYTES   4096ull
 /* Print a progress line for devices larger than this. */
 #define PROGRESS_BYTES    (1ull << 30)
-/* Past a zero superblock, look this far at both ends for other data. */
-#define SCAN_BYTES        (1024 * 1024)
 
 struct options {
   const char *path;
@@ -387,7 +385,6 @@ enum existing_kind {
 
 struct existing {
   enum existing_kind kind;
-  bool blockdev;
   uint64_t bytes;               /* size of the device */
   uint64_t data_at;             /* EX_DATA_PAST_SB: first non-zero byte */
   struct bch_sb sb;             /* EX_MAKE_BCACHE, EX_LIVE */
@@ -415,45 +412,39 @@ read_at (int fd, void *buf, size_t len, uint64_t off)
   return 0;
 }
 
-/* Offset of the first non-zero byte in [off, off + len), or UINT64_MAX. */
-static uint64_t
-first_nonzero (const uint8_t *buf, size_t len, uint64_t off)
+/* An error from the engine: its messages mostly name the path already. */
+static void
+engine_error (const char *path, const char *err, const char *hint)
 {
-  for (size_t i = 0; i < len; i++)
-    if (buf[i])
-      return off + i;
-  return UINT64_MAX;
+  fprintf (stderr, "%s: %s%s%s%s\n", PROGRAM_NAME,
+           strstr (err, path) ? "" : path, strstr (err, path) ? "" : ": ",
+           err, hint);
 }
 
-/* Scan [from, to) for non-zero bytes. */
-static int
-scan_range (int fd, uint64_t from, uint64_t to, uint64_t *at)
+/* What the engine's probe found, in the terms this tool acts on. */
+static enum existing_kind
+existing_kind (const struct bcf_device_verdict *v)
 {
-  static uint8_t buf[64 * 1024];
-
-  *at = UINT64_MAX;
-  while (from < to && *at == UINT64_MAX) {
-    size_t n = to - from < sizeof buf ? (size_t) (to - from) : sizeof buf;
-    if (read_at (fd, buf, n, from) == -1)
-      return -1;
-    *at = first_nonzero (buf, n, from);
-    from += n;
+  switch (v->kind) {
+  case BCF_DEVICE_BLANK:       return EX_BLANK;
+  case BCF_DEVICE_MAKE_BCACHE: return EX_MAKE_BCACHE;
+  case BCF_DEVICE_CACHE:       return EX_LIVE;
+  case BCF_DEVICE_FOREIGN:
+    return v->data_at != UINT64_MAX ? EX_DATA_PAST_SB : EX_OTHER;
+  default:                     return EX_OTHER;
   }
-  return 0;
 }
 
 /* Returns -1 to continue, else an exit status (with a message). */
 static int
 inspect (const struct options *o, struct existing *ex)
 {
-  static uint8_t area[2 * BCH_SB_AREA_SIZE];
+  struct bcf_device_verdict v;
   struct stat st;
-  struct bch_diag d;
-  int fd;
+  char err[1024];
 
   memset (ex, 0, sizeof *ex);
-  fd = open (o->path, O_RDONLY | O_CLOEXEC);
-  if (fd == -1) {
+  if (stat (o->path, &st) == -1) {
     if (errno == ENOENT && o->size) {
       ex->kind = EX_MISSING;
       return -1;
@@ -462,62 +453,23 @@ inspect (const struct options *o, struct existing *ex)
                   errno == ENOENT ? " (use --size SIZE to create a file)" : "");
     return EXIT_IO;
   }
-  if (fstat (fd, &st) == -1) {
-    device_error (o->path, "fstat: %m");
-    goto io_error;
-  }
-  if (S_ISBLK (st.st_mode)) {
-    ex->blockdev = true;
-    if (ioctl (fd, BLKGETSIZE64, &ex->bytes) == -1) {
-      device_error (o->path, "ioctl BLKGETSIZE64: %m");
-      goto io_error;
-    }
-  }
-  else if (S_ISREG (st.st_mode))
-    ex->bytes = (uint64_t) st.st_size;
-  else {
+  if (!S_ISREG (st.st_mode) && !S_ISBLK (st.st_mode)) {
     device_error (o->path, "not a regular file or block device");
-    goto io_error;
+    return EXIT_IO;
   }
-  if (o->size && !ex->blockdev && ex->bytes != o->size)
+  if (o->size && S_ISREG (st.st_mode) && (uint64_t) st.st_size != o->size)
     fprintf (stderr, "%s: %s: note: the file exists (%" PRIu64 " bytes); "
-             "--size is ignored\n", PROGRAM_NAME, o->path, ex->bytes);
-
-  /* Too small to tell: the engine says it is too small. */
-  ex->kind = EX_OTHER;
-  if (ex->bytes < sizeof area) {
-    close (fd);
-    return -1;
+             "--size is ignored\n", PROGRAM_NAME, o->path,
+             (uint64_t) st.st_size);
+  if (bcf_device_probe (o->path, NULL, &v, err, sizeof err) < 0) {
+    engine_error (o->path, err, "");
+    return EXIT_IO;
   }
-  if (read_at (fd, area, sizeof area, 0) == -1) {
-    device_error (o->path, "read at byte 0: %m");
-    goto io_error;
-  }
-
-  if (first_nonzero (area, sizeof area, 0) == UINT64_MAX) {
-    uint64_t head_end = ex->bytes < SCAN_BYTES ? ex->bytes : SCAN_BYTES;
-    uint64_t tail = ex->bytes > SCAN_BYTES ? ex->bytes - SCAN_BYTES : 0;
-    uint64_t at;
-
-    if (tail < head_end)
-      tail = head_end;
-    if (scan_range (fd, sizeof area, head_end, &at) == -1 ||
-        (at == UINT64_MAX && scan_range (fd, tail, ex->bytes, &at) == -1)) {
-      device_error (o->path, "read: %m");
-      goto io_error;
-    }
-    ex->kind = at == UINT64_MAX ? EX_BLANK : EX_DATA_PAST_SB;
-    ex->data_at = at;
-  }
-  else if (bch_sb_decode (area + BCH_SB_OFFSET, BCH_SB_AREA_SIZE, &ex->sb, &d)
-           == BCH_OK)
-    ex->kind = ex->sb.flags & BCH_CACHE_SYNC ? EX_LIVE : EX_MAKE_BCACHE;
-  close (fd);
+  ex->kind = existing_kind (&v);
+  ex->bytes = v.size;
+  ex->data_at = v.data_at;
+  ex->sb = v.sb;
   return -1;
-
- io_error:
-  close (fd);
-  return EXIT_IO;
 }
 
 /* A make-bcache device is initialised with its own geometry: refuse
@@ -700,15 +652,6 @@ summary (const char *path)
   return EXIT_OK;
 }
 
-/* The engine keeps I/O buffers in a pool and an io_uring per thread for
- * reuse; give them back at exit so that leak checkers see a clean exit. */
-static void
-release_engine_memory (void)
-{
-  bcf_io_thread_cleanup ();
-  bcf_buf_pool_trim ();
-}
-
 int
 main (int argc, char *argv[])
 {
@@ -721,7 +664,7 @@ main (int argc, char *argv[])
   bool progress = false;
   int r;
 
-  atexit (release_engine_memory);
+  atexit (bcf_release_memory);
   r = parse_options (argc, argv, &o);
   if (r >= 0)
     return r;
@@ -821,15 +764,12 @@ main (int argc, char *argv[])
     if (ex.kind == EX_MISSING && r != -EBUSY && unlink (o.path) == 0)
       fprintf (stderr, "%s: %s: removed the file created for it\n",
                PROGRAM_NAME, o.path);
-    /* The engine's messages mostly name the path already. */
     if (err[0] == '\0')
       snprintf (err, sizeof err, "%s", strerror (-r));
-    fprintf (stderr, "%s: %s%s%s%s\n", PROGRAM_NAME,
-             strstr (err, o.path) ? "" : o.path,
-             strstr (err, o.path) ? "" : ": ", err,
-             status == EXIT_FOREIGN || status == EXIT_BCACHE ?
-             "; use --force to format it anyway (destroying its contents)" :
-             "");
+    engine_error (o.path, err,
+                  status == EXIT_FOREIGN || status == EXIT_BCACHE ?
+                  "; use --force to format it anyway (destroying its "
+                  "contents)" : "");
     return status;
   }
   return summary (o.path);

@@ -16,22 +16,24 @@
  *      by an option:
  *        (default)   the superblock, as bcache-super-show shows it and
  *                    more (sb_view, rendered as text or JSON);
- *        --journal   the journal buckets d[], decoded directly with
- *                    format.h: each bucket read whole and walked block by
- *                    block with bch_jset_decode, as the engine's journal
- *                    read does; the entries last_seq..newest must all be
- *                    there (the engine refuses to open a cache otherwise);
+ *        --journal   the journal buckets d[], read and judged by the
+ *                    engine's own scan (bcf_journal_inspect,
+ *                    bcachefilter/inspect.h): every valid entry and every
+ *                    block that carries the journal's magic but does not
+ *                    decode, and the verdict the engine's open would
+ *                    reach (entries last_seq..newest all there, once,
+ *                    with good keys), with the same message;
  *        --btree     the btree, through the engine: a read-only
  *                    bcf_cache_open (which reads and checks the journal,
  *                    prios, uuids and every node, and replays the journal
- *                    in memory), then btree_visit;
- *        --buckets   bcache's priority_stats from the engine's bucket
- *                    array after that open (which runs the initial mark);
+ *                    in memory), then bcf_btree_walk;
+ *        --buckets   bcache's priority_stats from a copy of the engine's
+ *                    buckets after that open (which runs the initial
+ *                    mark), bcf_cache_buckets;
  *        --fsck      the open itself (every checksum, the journal's
  *                    continuity, every key) plus bcf_cache_fsck.
- *      The engine modes reach into core/engine.h (struct bcf_cache, its
- *      nodes and buckets): this tool is built with the engine and reads
- *      its state after a single-threaded, read-only open, so no lock is
+ *      The engine modes use only its public API (bcachefilter/cache.h,
+ *      inspect.h) on a single-threaded, read-only open, so no lock is
  *      contended.  A read-only open never writes the device.
  *
  * The superblock mode first computes everything it shows into a
@@ -87,8 +89,9 @@
 
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
+#include "bcachefilter/cleanup.h"
 #include "bcachefilter/format.h"
-#include "engine.h"
+#include "bcachefilter/inspect.h"
 
 #define PROGRAM_NAME "bcachefilter-show"
 
@@ -1050,7 +1053,7 @@ static bool
 key_stale (struct bcf_cache *c, const struct bkey *k)
 {
   return c && KEY_PTRS (k) >= 1 && bch_ptr_is_data (k->ptr[0]) &&
-         PTR_DEV (k->ptr[0]) == 0 && ptr_stale (c, k->ptr[0]);
+         PTR_DEV (k->ptr[0]) == 0 && bcf_cache_ptr_stale (c, k->ptr[0]);
 }
 
 /* A key as text.  Leaves: "inode:start+size -> dev:offset gen G" and the
@@ -1123,217 +1126,9 @@ json_bkey (struct json *j, const struct bkey *k, unsigned level,
 }
 
 /* ------------------------------------------------------------------------
- * --journal: the journal buckets, decoded directly
+ * --journal: the journal buckets, as the engine's open reads and judges
+ * them (bcf_journal_inspect)
  * ------------------------------------------------------------------------ */
-
-/* One valid entry, or a block that carries the jset magic but does not
- * decode (bad checksum, torn...). */
-struct jitem {
-  bool bad;
-  unsigned index;               /* in d[] */
-  uint64_t bucket;
-  size_t offset, bytes;
-  struct bch_jset hdr;          /* hdr.key_words is NULL: see words */
-  uint64_t *words;              /* copy of the key words (little-endian) */
-  unsigned nkeys;
-  char msg[320];                /* bad: why; else a bad key, or "" */
-};
-
-struct jscan {
-  struct jitem *it;
-  size_t n, cap;
-};
-
-static struct jitem *
-jscan_add (struct jscan *s)
-{
-  if (s->n == s->cap) {
-    size_t nc = s->cap ? 2 * s->cap : 64;
-    struct jitem *p = realloc (s->it, nc * sizeof *p);
-
-    if (!p)
-      return NULL;
-    s->it = p;
-    s->cap = nc;
-  }
-  memset (&s->it[s->n], 0, sizeof s->it[s->n]);
-  return &s->it[s->n++];
-}
-
-static void
-jscan_free (struct jscan *s)
-{
-  for (size_t i = 0; i < s->n; i++)
-    free (s->it[i].words);
-  free (s->it);
-}
-
-/* Count and check the keys of an entry (as the engine's replay does). */
-static void
-jitem_keys (struct jitem *e, const struct bch_key_geometry *geo)
-{
-  const uint8_t *p = (const uint8_t *) e->words;
-  size_t w = 0;
-
-  while (w < e->hdr.keys) {
-    struct bkey_padded b;
-    struct bch_diag d;
-
-    if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, &d) != BCH_OK ||
-        bkey_validate (&b.key, e->hdr.keys - w, 0, geo, &d) != BCH_OK) {
-      snprintf (e->msg, sizeof e->msg, "bad key at word %zu: %s", w, d.msg);
-      return;
-    }
-    w += bkey_u64s (&b.key);
-    e->nkeys++;
-  }
-}
-
-/* Walk one journal bucket block by block. */
-static int
-scan_journal_bucket (struct jscan *s, unsigned index, uint64_t bucket,
-                     const uint8_t *buf, size_t len, size_t block,
-                     uint64_t magic, const struct bch_key_geometry *geo)
-{
-  size_t off = 0;
-
-  while (off + BCH_JSET_HEADER_SIZE <= len) {
-    struct bch_jset j;
-    struct bch_diag d;
-    struct jitem *e;
-    enum bch_status st = bch_jset_decode (buf + off, len - off, magic, &j, &d);
-
-    if (st == BCH_ERR_MAGIC) {
-      off += block;             /* free space or key words */
-      continue;
-    }
-    if (!(e = jscan_add (s)))
-      return -1;
-    e->index = index;
-    e->bucket = bucket;
-    e->offset = off;
-    if (st != BCH_OK) {
-      e->bad = true;
-      snprintf (e->msg, sizeof e->msg, "%s", d.msg);
-      off += block;
-      continue;
-    }
-    e->hdr = j;
-    e->hdr.key_words = NULL;
-    e->bytes = (bch_jset_bytes (j.keys) + block - 1) / block * block;
-    e->words = malloc ((size_t) j.keys * 8 + 1);
-    if (!e->words)
-      return -1;
-    memcpy (e->words, j.key_words, (size_t) j.keys * 8);
-    jitem_keys (e, geo);
-    off += e->bytes;
-  }
-  return 0;
-}
-
-static int
-cmp_u64 (const void *a, const void *b)
-{
-  const uint64_t x = *(const uint64_t *) a, y = *(const uint64_t *) b;
-  return x < y ? -1 : x > y;
-}
-
-/* What the journal's entries say: the newest, and whether every entry
- * from its last_seq on is there exactly once with valid keys. */
-struct janalysis {
-  const struct jitem *newest;
-  size_t entries;
-  struct { uint64_t from, to; } gaps[16];
-  size_t ngaps;                 /* may exceed 16: only 16 kept */
-  uint64_t dups[16];
-  size_t ndups;
-  const struct jitem *bad_key;  /* a needed entry with a bad key */
-  char error[768];
-};
-
-static int
-analyse_journal (const struct jscan *s, struct janalysis *a)
-{
-  uint64_t *seqs, first, expect;
-  size_t n = 0;
-
-  memset (a, 0, sizeof *a);
-  for (size_t i = 0; i < s->n; i++)
-    if (!s->it[i].bad) {
-      a->entries++;
-      if (!a->newest || s->it[i].hdr.seq > a->newest->hdr.seq)
-        a->newest = &s->it[i];
-    }
-  if (!a->newest) {
-    snprintf (a->error, sizeof a->error, "the journal holds no valid entry, "
-              "but CACHE_SYNC is set so there must be one: the journal is "
-              "corrupt");
-    return 0;
-  }
-  first = a->newest->hdr.last_seq;
-  seqs = malloc ((a->entries ? a->entries : 1) * sizeof *seqs);
-  if (!seqs)
-    return -1;
-  for (size_t i = 0; i < s->n; i++) {
-    const struct jitem *e = &s->it[i];
-    if (e->bad || e->hdr.seq < first)
-      continue;
-    seqs[n++] = e->hdr.seq;
-    if (e->msg[0] && !a->bad_key)
-      a->bad_key = e;
-  }
-  qsort (seqs, n, sizeof *seqs, cmp_u64);
-  expect = first;
-  for (size_t i = 0; i < n; i++) {
-    if (i > 0 && seqs[i] == seqs[i - 1]) {
-      if (a->ndups < 16 && (a->ndups == 0 || a->dups[a->ndups - 1] != seqs[i]))
-        a->dups[a->ndups++] = seqs[i];
-      continue;
-    }
-    if (seqs[i] > expect) {
-      if (a->ngaps < 16) {
-        a->gaps[a->ngaps].from = expect;
-        a->gaps[a->ngaps].to = seqs[i] - 1;
-      }
-      a->ngaps++;
-    }
-    expect = seqs[i] + 1;
-  }
-  free (seqs);
-
-  if (a->ngaps) {
-    size_t len = 0;
-    len += (size_t) snprintf (a->error + len, sizeof a->error - len,
-                              "journal entr%s ",
-                              a->ngaps == 1 && a->gaps[0].from == a->gaps[0].to
-                              ? "y" : "ies");
-    for (size_t i = 0; i < a->ngaps && i < 16 && len < sizeof a->error; i++) {
-      if (a->gaps[i].from == a->gaps[i].to)
-        len += (size_t) snprintf (a->error + len, sizeof a->error - len,
-                                  "%s%" PRIu64, i ? ", " : "",
-                                  a->gaps[i].from);
-      else
-        len += (size_t) snprintf (a->error + len, sizeof a->error - len,
-                                  "%s%" PRIu64 "-%" PRIu64, i ? ", " : "",
-                                  a->gaps[i].from, a->gaps[i].to);
-    }
-    if (len < sizeof a->error)
-      snprintf (a->error + len, sizeof a->error - len,
-                "%s missing: the newest entry, %" PRIu64 ", needs every "
-                "entry from its last_seq %" PRIu64 " on; the journal is "
-                "corrupt", a->ngaps > 16 ? ", ..." : "",
-                a->newest->hdr.seq, first);
-  }
-  else if (a->ndups)
-    snprintf (a->error, sizeof a->error, "journal entry %" PRIu64 " is "
-              "present more than once: the journal is corrupt", a->dups[0]);
-  else if (a->bad_key)
-    snprintf (a->error, sizeof a->error, "journal entry %" PRIu64 " (bucket "
-              "%" PRIu64 " offset %zu): %s; the journal is corrupt",
-              a->bad_key->hdr.seq, a->bad_key->bucket, a->bad_key->offset,
-              a->bad_key->msg);
-  return 0;
-}
 
 /* "bucket B gen G" for a jset's pointer key ("none" without pointer). */
 static void
@@ -1349,9 +1144,28 @@ text_jptr (const struct bkey *k, uint64_t bucket_sectors)
           PTR_GEN (k->ptr[0]));
 }
 
+/* The keys of a journal entry, one per line ("    key ..."). */
 static void
-text_jitem (const struct jitem *e, const struct jitem *newest,
-            uint64_t bucket_sectors, bool verbose)
+text_jentry_keys (const struct bcf_journal_entry *e, uint64_t bucket_sectors)
+{
+  const uint8_t *p = (const uint8_t *) e->words;
+  size_t w = 0;
+
+  while (w < e->hdr.keys) {
+    struct bkey_padded b;
+
+    if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, NULL) != BCH_OK)
+      break;
+    fputs ("    key ", stdout);
+    text_key (&b.key, 0, NULL, bucket_sectors);
+    w += bkey_u64s (&b.key);
+  }
+}
+
+static void
+text_jentry (const struct bcf_journal_scan *s,
+             const struct bcf_journal_entry *e, uint64_t bucket_sectors,
+             bool verbose)
 {
   printf ("bucket %" PRIu64 " offset %zu: ", e->bucket, e->offset);
   if (e->bad) {
@@ -1364,32 +1178,21 @@ text_jitem (const struct jitem *e, const struct jitem *newest,
   printf (" level %u, uuid ", e->hdr.btree_level);
   text_jptr (&e->hdr.uuid_bucket.key, bucket_sectors);
   printf (", prio bucket %" PRIu64, e->hdr.prio_bucket[0]);
-  if (e == newest)
+  if (e == s->newest)
     fputs (" [newest]", stdout);
-  else if (newest && e->hdr.seq < newest->hdr.last_seq)
+  else if (s->newest && !bcf_journal_needed (s, e))
     fputs (" [old]", stdout);
   if (e->msg[0])
     printf (" [%s]", e->msg);
   putchar ('\n');
-  if (verbose) {
-    const uint8_t *p = (const uint8_t *) e->words;
-    size_t w = 0;
-
-    while (w < e->hdr.keys) {
-      struct bkey_padded b;
-
-      if (bkey_decode (p + 8 * w, (e->hdr.keys - w) * 8, &b, NULL) != BCH_OK)
-        break;
-      fputs ("    key ", stdout);
-      text_key (&b.key, 0, NULL, bucket_sectors);
-      w += bkey_u64s (&b.key);
-    }
-  }
+  if (verbose)
+    text_jentry_keys (e, bucket_sectors);
 }
 
 static void
-json_jitem (struct json *j, const struct jitem *e, const struct jitem *newest,
-            uint64_t bucket_sectors, bool verbose)
+json_jentry (struct json *j, const struct bcf_journal_scan *s,
+             const struct bcf_journal_entry *e, uint64_t bucket_sectors,
+             bool verbose)
 {
   json_open (j, NULL, '{');
   json_u64 (j, "bucket", e->bucket);
@@ -1420,8 +1223,8 @@ json_jitem (struct json *j, const struct jitem *e, const struct jitem *newest,
     fputs ("null", j->fp);
   }
   json_u64 (j, "prio_bucket", e->hdr.prio_bucket[0]);
-  json_bool (j, "newest", e == newest);
-  json_bool (j, "needed", newest && e->hdr.seq >= newest->hdr.last_seq);
+  json_bool (j, "newest", e == s->newest);
+  json_bool (j, "needed", bcf_journal_needed (s, e));
   json_str (j, "key_error", e->msg[0] ? e->msg : NULL);
   if (verbose) {
     const uint8_t *p = (const uint8_t *) e->words;
@@ -1441,121 +1244,122 @@ json_jitem (struct json *j, const struct jitem *e, const struct jitem *newest,
   json_close (j, '}');
 }
 
+static void
+json_journal (const struct device *dev, const struct bcf_journal_scan *s,
+              bool verbose)
+{
+  const struct bch_sb *sb = &dev->sb;
+  const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
+  struct json j = { .fp = stdout };
+
+  json_open (&j, NULL, '{');
+  json_str (&j, "device", dev->path);
+  json_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
+  json_u64 (&j, "block_bytes", (uint64_t) sb->block_size * BCH_SECTOR_SIZE);
+  json_hex64 (&j, "jset_magic", bch_jset_magic (sb));
+  json_open (&j, "journal_buckets", '[');
+  for (unsigned i = 0; i < sb->njournal_buckets; i++)
+    json_u64 (&j, NULL, sb->d[i]);
+  json_close (&j, ']');
+  json_open (&j, "entries", '[');
+  for (size_t i = 0; i < s->n; i++)
+    if (!s->entries[i].bad)
+      json_jentry (&j, s, &s->entries[i], bucket_sectors, verbose);
+  json_close (&j, ']');
+  json_open (&j, "ignored", '[');
+  for (size_t i = 0; i < s->n; i++)
+    if (s->entries[i].bad)
+      json_jentry (&j, s, &s->entries[i], bucket_sectors, false);
+  json_close (&j, ']');
+  if (s->newest) {
+    json_u64 (&j, "newest_seq", s->newest->hdr.seq);
+    json_u64 (&j, "last_seq", s->newest->hdr.last_seq);
+  }
+  json_open (&j, "missing", '[');
+  for (size_t i = 0; i < s->ngaps && i < BCF_JOURNAL_LISTED; i++) {
+    json_open (&j, NULL, '{');
+    json_u64 (&j, "from", s->gaps[i].from);
+    json_u64 (&j, "to", s->gaps[i].to);
+    json_close (&j, '}');
+  }
+  json_close (&j, ']');
+  json_str (&j, "status", s->status == BCF_JOURNAL_OK ? "ok" : "corrupt");
+  json_str (&j, "error", s->status == BCF_JOURNAL_OK ? NULL : s->msg);
+  json_close (&j, '}');
+  putchar ('\n');
+}
+
+/* What replay would find, in a word. */
+static const char *
+replay_word (enum bcf_journal_status st)
+{
+  switch (st) {
+  case BCF_JOURNAL_GAP:       return "some are MISSING";
+  case BCF_JOURNAL_DUPLICATE: return "some are DUPLICATED";
+  case BCF_JOURNAL_BAD_KEY:   return "one has a BAD KEY";
+  default:                    return "all present";
+  }
+}
+
+static void
+text_journal (const struct device *dev, const struct bcf_journal_scan *s,
+              bool verbose)
+{
+  const struct bch_sb *sb = &dev->sb;
+  const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
+  const unsigned nj = sb->njournal_buckets;
+  const struct bcf_journal_entry *nw = s->newest;
+
+  printf ("journal of %s: %u buckets (%" PRIu64 "-%" PRIu64 ") of %" PRIu64
+          " bytes, %u-byte blocks, jset magic 0x%016" PRIx64 "\n",
+          dev->path, nj, sb->d[0], sb->d[nj - 1],
+          bucket_sectors * BCH_SECTOR_SIZE,
+          (unsigned) sb->block_size * BCH_SECTOR_SIZE, bch_jset_magic (sb));
+  for (size_t i = 0; i < s->n; i++)
+    text_jentry (s, &s->entries[i], bucket_sectors, verbose);
+  if (!nw) {
+    printf ("no valid entry\n");
+    return;
+  }
+  printf ("newest entry: seq %" PRIu64 " (bucket %" PRIu64 " offset %zu), "
+          "last_seq %" PRIu64 "\n", nw->hdr.seq, nw->bucket, nw->offset,
+          nw->hdr.last_seq);
+  printf ("replay needs entries %" PRIu64 "-%" PRIu64 ": %s\n",
+          nw->hdr.last_seq, nw->hdr.seq, replay_word (s->status));
+}
+
 static int
 mode_journal (const struct options *opts, const struct device *dev,
               int load_status)
 {
   const struct bch_sb *sb = &dev->sb;
-  const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
-  const size_t bucket_bytes = (size_t) bucket_sectors * BCH_SECTOR_SIZE;
-  const size_t block = (size_t) sb->block_size * BCH_SECTOR_SIZE;
-  const unsigned nj = sb->njournal_buckets;
-  const struct bch_key_geometry geo = {
-    .nbuckets = sb->nbuckets, .bucket_sectors = bucket_sectors,
-    .first_bucket = sb->first_bucket, .nr_in_set = sb->nr_in_set,
-  };
-  struct jscan s = { 0 };
-  struct janalysis a;
-  uint8_t *buf;
-  int status = EXIT_OK;
+  struct bcf_journal_scan s;
+  char err[1024];
+  int status;
 
   (void) load_status;
   if (!(sb->flags & BCH_CACHE_SYNC))
     return not_initialised (dev);
-  if (nj == 0) {
+  if (sb->njournal_buckets == 0) {
     device_error (dev->path, "CACHE_SYNC is set but the superblock lists "
                   "no journal buckets: the cache is corrupt");
     return EXIT_INVALID;
   }
-  buf = malloc (bucket_bytes);
-  if (!buf) {
-    device_error (dev->path, "out of memory");
+  if (bcf_journal_inspect (dev->path, sb, &s, err, sizeof err) < 0) {
+    device_error (dev->path, "%s", err);
+    bcf_journal_scan_free (&s);
     return EXIT_ERROR;
   }
-  for (unsigned i = 0; i < nj && status == EXIT_OK; i++) {
-    if (read_exact (dev, buf, bucket_bytes,
-                    (off_t) (sb->d[i] * bucket_bytes)) == -1)
-      status = EXIT_ERROR;
-    else if (scan_journal_bucket (&s, i, sb->d[i], buf, bucket_bytes, block,
-                                  bch_jset_magic (sb), &geo) == -1) {
-      device_error (dev->path, "out of memory");
-      status = EXIT_ERROR;
-    }
-  }
-  free (buf);
-  if (status == EXIT_OK && analyse_journal (&s, &a) == -1) {
-    device_error (dev->path, "out of memory");
-    status = EXIT_ERROR;
-  }
-  if (status != EXIT_OK) {
-    jscan_free (&s);
-    return status;
-  }
-
-  if (opts->json) {
-    struct json j = { .fp = stdout };
-
-    json_open (&j, NULL, '{');
-    json_str (&j, "device", dev->path);
-    json_u64 (&j, "bucket_bytes", bucket_bytes);
-    json_u64 (&j, "block_bytes", block);
-    json_hex64 (&j, "jset_magic", bch_jset_magic (sb));
-    json_open (&j, "journal_buckets", '[');
-    for (unsigned i = 0; i < nj; i++)
-      json_u64 (&j, NULL, sb->d[i]);
-    json_close (&j, ']');
-    json_open (&j, "entries", '[');
-    for (size_t i = 0; i < s.n; i++)
-      if (!s.it[i].bad)
-        json_jitem (&j, &s.it[i], a.newest, bucket_sectors, opts->verbose);
-    json_close (&j, ']');
-    json_open (&j, "ignored", '[');
-    for (size_t i = 0; i < s.n; i++)
-      if (s.it[i].bad)
-        json_jitem (&j, &s.it[i], a.newest, bucket_sectors, false);
-    json_close (&j, ']');
-    if (a.newest) {
-      json_u64 (&j, "newest_seq", a.newest->hdr.seq);
-      json_u64 (&j, "last_seq", a.newest->hdr.last_seq);
-    }
-    json_open (&j, "missing", '[');
-    for (size_t i = 0; i < a.ngaps && i < 16; i++) {
-      json_open (&j, NULL, '{');
-      json_u64 (&j, "from", a.gaps[i].from);
-      json_u64 (&j, "to", a.gaps[i].to);
-      json_close (&j, '}');
-    }
-    json_close (&j, ']');
-    json_str (&j, "status", a.error[0] ? "corrupt" : "ok");
-    json_str (&j, "error", a.error[0] ? a.error : NULL);
-    json_close (&j, '}');
-    putchar ('\n');
-  }
-  else {
-    printf ("journal of %s: %u buckets (%" PRIu64 "-%" PRIu64 ") of %zu "
-            "bytes, %zu-byte blocks, jset magic 0x%016" PRIx64 "\n",
-            dev->path, nj, sb->d[0], sb->d[nj - 1], bucket_bytes, block,
-            bch_jset_magic (sb));
-    for (size_t i = 0; i < s.n; i++)
-      text_jitem (&s.it[i], a.newest, bucket_sectors, opts->verbose);
-    if (a.newest) {
-      printf ("newest entry: seq %" PRIu64 " (bucket %" PRIu64 " offset %zu), "
-              "last_seq %" PRIu64 "\n", a.newest->hdr.seq, a.newest->bucket,
-              a.newest->offset, a.newest->hdr.last_seq);
-      printf ("replay needs entries %" PRIu64 "-%" PRIu64 ": %s\n",
-              a.newest->hdr.last_seq, a.newest->hdr.seq,
-              a.ngaps ? "some are MISSING" : a.ndups ? "some are DUPLICATED"
-              : a.bad_key ? "one has a BAD KEY" : "all present");
-    }
-    else
-      printf ("no valid entry\n");
-  }
+  if (opts->json)
+    json_journal (dev, &s, opts->verbose);
+  else
+    text_journal (dev, &s, opts->verbose);
   status = finish_output ();
-  if (a.error[0]) {
-    device_error (dev->path, "%s", a.error);
+  if (s.status != BCF_JOURNAL_OK) {
+    device_error (dev->path, "%s", s.msg);
     status = worst (status, EXIT_INVALID);
   }
-  jscan_free (&s);
+  bcf_journal_scan_free (&s);
   return status;
 }
 
@@ -1641,83 +1445,99 @@ struct btree_ctx {
   const struct options *opts;
   struct json *j;
   uint64_t bucket_sectors;
-  struct ckey prev[MAX_LEVELS];     /* last node seen at each level */
+  struct { uint64_t inode, offset; } prev[MAX_LEVELS]; /* last node seen
+                                                           at each level */
   bool have_prev[MAX_LEVELS];
   uint64_t nodes, keys, dirty_sectors, check_keys;
 };
 
+/* A leaf's live dirty sectors and check keys. */
+static uint64_t
+leaf_dirty (struct bcf_cache *c, const struct bcf_node *n, uint64_t *checks)
+{
+  uint64_t dirty = 0;
+
+  for (size_t i = 0; i < n->nkeys; i++) {
+    const struct bkey *k = bcf_node_key (n, i);
+    if (bkey_is_check (k))
+      (*checks)++;
+    else if (KEY_DIRTY (k) && KEY_PTRS (k) && !key_stale (c, k))
+      dirty += KEY_SIZE (k);
+  }
+  return dirty;
+}
+
+static void
+json_node (struct btree_ctx *x, struct bcf_cache *c, const struct bcf_node *n,
+           uint64_t lo_inode, uint64_t lo_offset, uint64_t node_dirty)
+{
+  struct json *j = x->j;
+
+  json_open (j, NULL, '{');
+  json_u64 (j, "level", n->level);
+  json_u64 (j, "bucket", n->bucket);
+  json_u64 (j, "gen", n->gen);
+  json_u64 (j, "keys", n->nkeys);
+  json_u64 (j, "written", n->written);
+  json_open (j, "range", '{');
+  json_open (j, "after", '{');
+  json_u64 (j, "inode", lo_inode);
+  json_u64 (j, "offset", lo_offset);
+  json_close (j, '}');
+  json_open (j, "to", '{');
+  json_u64 (j, "inode", n->inode);
+  json_u64 (j, "offset", n->offset);
+  json_close (j, '}');
+  json_close (j, '}');
+  if (n->level == 0)
+    json_u64 (j, "dirty_sectors", node_dirty);
+  if (x->opts->verbose) {
+    json_open (j, "key_list", '[');
+    for (size_t i = 0; i < n->nkeys; i++)
+      json_bkey (j, bcf_node_key (n, i), n->level, c, x->bucket_sectors);
+    json_close (j, ']');
+  }
+  json_close (j, '}');
+}
+
 static int
-show_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
+show_node (struct bcf_cache *c, const struct bcf_node *n, void *opaque)
 {
   struct btree_ctx *x = opaque;
   const unsigned lv = n->level < MAX_LEVELS ? n->level : MAX_LEVELS - 1;
-  const uint64_t bucket = bucket_of_ptr (c, n->key.ptr);
   uint64_t lo_inode = 0, lo_offset = 0, node_dirty = 0;
   char lo[48], hi[48];
 
   if (x->have_prev[lv]) {
-    lo_inode = ckey_inode (&x->prev[lv]);
-    lo_offset = ckey_end (&x->prev[lv]);
+    lo_inode = x->prev[lv].inode;
+    lo_offset = x->prev[lv].offset;
   }
-  x->prev[lv] = n->key;
+  x->prev[lv].inode = n->inode;
+  x->prev[lv].offset = n->offset;
   x->have_prev[lv] = true;
   x->nodes++;
   if (n->level == 0) {
-    x->keys += n->keys.nr;
-    for (size_t i = 0; i < n->keys.nr; i++) {
-      const struct ckey *k = &n->keys.k[i];
-      if (ckey_is_check (k))
-        x->check_keys++;
-      else if (ckey_dirty (k) && ckey_has_ptr (k) &&
-               !key_stale (c, ckey_bkey (k)))
-        node_dirty += ckey_size (k);
-    }
+    x->keys += n->nkeys;
+    node_dirty = leaf_dirty (c, n, &x->check_keys);
     x->dirty_sectors += node_dirty;
   }
-  pos_string (lo_inode, lo_offset, lo, sizeof lo);
-  pos_string (ckey_inode (&n->key), ckey_end (&n->key), hi, sizeof hi);
-
   if (x->j) {
-    struct json *j = x->j;
-
-    json_open (j, NULL, '{');
-    json_u64 (j, "level", n->level);
-    json_u64 (j, "bucket", bucket);
-    json_u64 (j, "gen", PTR_GEN (n->key.ptr));
-    json_u64 (j, "keys", n->keys.nr);
-    json_u64 (j, "written", n->written);
-    json_open (j, "range", '{');
-    json_open (j, "after", '{');
-    json_u64 (j, "inode", lo_inode);
-    json_u64 (j, "offset", lo_offset);
-    json_close (j, '}');
-    json_open (j, "to", '{');
-    json_u64 (j, "inode", ckey_inode (&n->key));
-    json_u64 (j, "offset", ckey_end (&n->key));
-    json_close (j, '}');
-    json_close (j, '}');
-    if (n->level == 0)
-      json_u64 (j, "dirty_sectors", node_dirty);
-    if (x->opts->verbose) {
-      json_open (j, "key_list", '[');
-      for (size_t i = 0; i < n->keys.nr; i++)
-        json_bkey (j, ckey_bkey (&n->keys.k[i]), n->level, c,
-                   x->bucket_sectors);
-      json_close (j, ']');
-    }
-    json_close (j, '}');
+    json_node (x, c, n, lo_inode, lo_offset, node_dirty);
     return 0;
   }
 
+  pos_string (lo_inode, lo_offset, lo, sizeof lo);
+  pos_string (n->inode, n->offset, hi, sizeof hi);
   printf ("node bucket %" PRIu64 " level %u: %zu keys, %zu bytes written, "
-          "range (%s, %s]", bucket, n->level, n->keys.nr, n->written, lo, hi);
+          "range (%s, %s]", n->bucket, n->level, n->nkeys, n->written, lo,
+          hi);
   if (n->level == 0 && node_dirty)
     printf (", %" PRIu64 " dirty sectors", node_dirty);
   putchar ('\n');
   if (x->opts->verbose)
-    for (size_t i = 0; i < n->keys.nr; i++) {
+    for (size_t i = 0; i < n->nkeys; i++) {
       fputs (n->level ? "    " : "    key ", stdout);
-      text_key (ckey_bkey (&n->keys.k[i]), n->level, c, x->bucket_sectors);
+      text_key (bcf_node_key (n, i), n->level, c, x->bucket_sectors);
     }
   return 0;
 }
@@ -1729,39 +1549,37 @@ mode_btree (const struct options *opts, const struct device *dev,
   struct json j = { .fp = stdout };
   struct btree_ctx x = { .opts = opts };
   struct bcf_cache *c;
-  struct btree_node *root;
+  uint64_t root = 0;
+  unsigned level = 0, depth;
   int status, r;
 
   (void) load_status;
   if (!(c = engine_open (opts, dev, &status)))
     return status;
-  x.bucket_sectors = c->bucket_sectors;
+  x.bucket_sectors = bch_sb_bucket_sectors (bcf_cache_super (c));
   if (opts->json)
     x.j = &j;
 
-  pthread_rwlock_rdlock (&c->tree_lock);
-  root = c->tree.root;
+  depth = bcf_btree_root (c, &root, &level) ? level + 1 : 0;
   if (opts->json) {
     json_open (&j, NULL, '{');
     json_str (&j, "device", dev->path);
     json_open (&j, "root", '{');
-    json_u64 (&j, "bucket", root ? bucket_of_ptr (c, root->key.ptr) : 0);
-    json_u64 (&j, "level", root ? root->level : 0);
+    json_u64 (&j, "bucket", root);
+    json_u64 (&j, "level", level);
     json_close (&j, '}');
     json_open (&j, "nodes", '[');
   }
   else
     printf ("btree of %s: root bucket %" PRIu64 " level %u\n", dev->path,
-            root ? bucket_of_ptr (c, root->key.ptr) : 0,
-            root ? root->level : 0);
-  r = btree_visit (c, show_node, &x);
-  pthread_rwlock_unlock (&c->tree_lock);
+            root, level);
+  r = bcf_btree_walk (c, show_node, &x);
 
   if (opts->json) {
     json_close (&j, ']');
     json_open (&j, "summary", '{');
     json_u64 (&j, "nodes", x.nodes);
-    json_u64 (&j, "depth", root ? root->level + 1 : 0);
+    json_u64 (&j, "depth", depth);
     json_u64 (&j, "keys", x.keys);
     json_u64 (&j, "check_keys", x.check_keys);
     json_u64 (&j, "dirty_sectors", x.dirty_sectors);
@@ -1771,8 +1589,8 @@ mode_btree (const struct options *opts, const struct device *dev,
   }
   else
     printf ("summary: %" PRIu64 " nodes, depth %u, %" PRIu64 " keys, %"
-            PRIu64 " dirty sectors\n", x.nodes, root ? root->level + 1 : 0,
-            x.keys, x.dirty_sectors);
+            PRIu64 " dirty sectors\n", x.nodes, depth, x.keys,
+            x.dirty_sectors);
   status = finish_output ();
   if (r != 0) {
     device_error (dev->path, "walking the btree: %s (a child node is "
@@ -1807,9 +1625,10 @@ mode_buckets (const struct options *opts, const struct device *dev,
               int load_status)
 {
   struct bcf_cache *c;
+  struct bcf_bucket *bk;
   uint64_t nb, unused = 0, clean = 0, dirty = 0, meta = 0, ndata = 0;
   uint64_t age_sum = 0, prio_sum = 0, average = 0, prio_average = 0;
-  uint64_t sectors_per_q;
+  uint64_t sectors_per_q, first_bucket, bucket_sectors;
   unsigned q[NQUANTILES] = { 0 };
   uint16_t *prios;
   int status;
@@ -1817,30 +1636,30 @@ mode_buckets (const struct options *opts, const struct device *dev,
   (void) load_status;
   if (!(c = engine_open (opts, dev, &status)))
     return status;
-  nb = c->alloc.nbuckets;
-  prios = malloc ((nb ? nb : 1) * sizeof *prios);
-  if (!prios) {
+  first_bucket = bcf_cache_super (c)->first_bucket;
+  bucket_sectors = bch_sb_bucket_sectors (bcf_cache_super (c));
+  if (bcf_cache_buckets (c, &bk, &nb) < 0 ||
+      !(prios = malloc ((nb ? nb : 1) * sizeof *prios))) {
     device_error (dev->path, "out of memory");
+    free (bk);
     bcf_cache_close (c);
     return EXIT_ERROR;
   }
-  pthread_mutex_lock (&c->alloc.lock);
+  bcf_cache_close (c);
   for (uint64_t b = 0; b < nb; b++) {
-    const struct bucket *bk = &c->alloc.buckets[b];
-
-    if (bk->sectors_used == 0)
+    if (bk[b].sectors_used == 0)
       unused++;
-    switch (bk->mark) {
-    case GC_MARK_RECLAIMABLE: clean++; break;
-    case GC_MARK_DIRTY:       dirty++; break;
-    case GC_MARK_METADATA:    meta++; break;
+    switch (bk[b].use) {
+    case BCF_BUCKET_CLEAN:    clean++; break;
+    case BCF_BUCKET_DIRTY:    dirty++; break;
+    case BCF_BUCKET_METADATA: meta++; break;
     default: break;
     }
-    if (b >= c->sb.first_bucket &&
-        (bk->mark == GC_MARK_RECLAIMABLE || bk->mark == GC_MARK_DIRTY))
-      prios[ndata++] = bk->prio;
+    if (b >= first_bucket &&
+        (bk[b].use == BCF_BUCKET_CLEAN || bk[b].use == BCF_BUCKET_DIRTY))
+      prios[ndata++] = bk[b].prio;
   }
-  pthread_mutex_unlock (&c->alloc.lock);
+  free (bk);
 
   /* As bcache: prios sorted from the most recently used down; the
    * figures shown are INITIAL_PRIO - prio (0 = just used). */
@@ -1857,7 +1676,7 @@ mode_buckets (const struct options *opts, const struct device *dev,
       q[i] = p < BCH_INITIAL_PRIO ? BCH_INITIAL_PRIO - p : 0;
     }
   }
-  sectors_per_q = ndata * c->bucket_sectors / (NQUANTILES + 1);
+  sectors_per_q = ndata * bucket_sectors / (NQUANTILES + 1);
   free (prios);
 
   if (opts->json) {
@@ -1866,8 +1685,8 @@ mode_buckets (const struct options *opts, const struct device *dev,
     json_open (&j, NULL, '{');
     json_str (&j, "device", dev->path);
     json_u64 (&j, "nbuckets", nb);
-    json_u64 (&j, "bucket_bytes", c->bucket_bytes);
-    json_u64 (&j, "first_bucket", c->sb.first_bucket);
+    json_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
+    json_u64 (&j, "first_bucket", first_bucket);
 #define JSON_SHARE(name, n)                             \
     json_open (&j, name, '{');                          \
     json_u64 (&j, "buckets", n);                        \
@@ -1909,7 +1728,6 @@ mode_buckets (const struct options *opts, const struct device *dev,
     field ("buckets.data", "%" PRIu64, ndata);
     field ("prio.average", "%" PRIu64, prio_average);
   }
-  bcf_cache_close (c);
   return finish_output ();
 }
 
@@ -1924,6 +1742,7 @@ mode_fsck (const struct options *opts, const struct device *dev,
            int load_status)
 {
   struct bcf_cache *c;
+  struct bcf_cache_stats st;
   char *report;
   uint64_t nodes, keys, buckets;
   size_t lines = 0;
@@ -1939,9 +1758,10 @@ mode_fsck (const struct options *opts, const struct device *dev,
     return EXIT_ERROR;
   }
   problems = bcf_cache_fsck (c, report, FSCK_REPORT_BYTES);
-  nodes = c->tree.nnodes;
-  keys = c->tree.nkeys;
-  buckets = c->alloc.nbuckets;
+  bcf_cache_stats (c, &st);
+  nodes = st.btree_nodes;
+  keys = st.btree_keys;
+  buckets = st.nbuckets;
   bcf_cache_close (c);
   if (problems < 0) {
     device_error (dev->path, "fsck: out of memory");
@@ -2125,8 +1945,6 @@ forceable (int status)
          status == EXIT_INVALID;
 }
 
-/* The engine keeps I/O buffers in a pool and an io_uring per thread for
- * reuse; give them back at exit so that leak checkers see a clean exit. */
 /* The device may have a writer (a running proxy): say so, since what
  * we read from under it may be a moment old or mid-update.  We take no
  * claim ourselves (bcachefilter/claim.h). */
@@ -2141,13 +1959,6 @@ note_writer (const char *path)
              path, holder);
 }
 
-static void
-release_engine_memory (void)
-{
-  bcf_io_thread_cleanup ();
-  bcf_buf_pool_trim ();
-}
-
 int
 main (int argc, char *argv[])
 {
@@ -2156,7 +1967,7 @@ main (int argc, char *argv[])
   CLEANUP_CLOSE int fd = -1;
   int r;
 
-  atexit (release_engine_memory);
+  atexit (bcf_release_memory);
   r = parse_options (argc, argv, &opts);
   if (r >= 0)
     return r;

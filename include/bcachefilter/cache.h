@@ -48,6 +48,13 @@ enum bcf_format_policy {
 
 enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
 
+/* How the engine drives the cache device (core/io.h). */
+enum bcf_io_mode {
+  BCF_IO_AUTO = 0,              /* io_uring if available, else sync */
+  BCF_IO_URING,                 /* io_uring or fail to open */
+  BCF_IO_SYNC,                  /* pread / pwrite / fdatasync */
+};
+
 struct bcf_cache_opts {
   const char *path;               /* cache device or file */
   bool readonly;                  /* inspect only (tools): never write;
@@ -58,7 +65,7 @@ struct bcf_cache_opts {
    * as long as the cache is open; NULL: a writable open claims the
    * device itself and fails with -EBUSY while another process has it. */
   const struct bcf_claim *claim;
-  int io_mode;                    /* enum bcf_io_mode (0 = auto) */
+  enum bcf_io_mode io_mode;
   bool direct_off;                /* never use O_DIRECT */
 
   enum bcf_format_policy format;
@@ -92,7 +99,18 @@ struct bcf_cache_opts {
 };
 
 /* Open (and if the policy allows, format) a cache.  Returns 0 and sets
- * *cp, or a negative errno with the reason in err. */
+ * *cp, or a negative errno with the reason in err.  The errors a caller
+ * may want to tell apart:
+ *   -EEXIST       the cache holds another export (uuid or size)
+ *   -EBUSY        another process holds the device (bcachefilter/claim.h)
+ *   -EMEDIUMTYPE  the device holds something else (foreign data, a
+ *                 bcache backing device) or, read-only, no cache yet
+ *   -EUCLEAN      corrupt metadata (superblock, journal, prios, btree)
+ *   -ENODEV       blank or never registered, and the policy forbids
+ *                 formatting it
+ *   -ENOSPC       too small to be a cache
+ *   -ENOTSUP      a cache set of several devices
+ * What the device holds can also be asked first: bcachefilter/probe.h. */
 int bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
                     char *err, size_t errlen);
 /* Write everything that must be written and close.  Returns 0 or the
@@ -115,13 +133,11 @@ int bcf_cache_abandon (struct bcf_cache *c);
 int bcf_cache_start_threads (struct bcf_cache *c);
 void bcf_cache_stop_threads (struct bcf_cache *c);
 
-/* Would bcf_cache_open with BCF_FORMAT_AUTO see the device at path as
- * blank, and format it?  Blank means all zero in the superblock area and
- * in the first and last MiB (where other signatures live: btrfs at 64
- * KiB, md and GPT copies at the end).  Opens the device read-only.
- * Returns 0 and sets *blank, or -errno with a message in err. */
-int bcf_device_blank (const char *path, bool *blank, char *err,
-                      size_t errlen);
+/* The engine keeps I/O buffers in a pool and an io_uring per thread for
+ * reuse.  Give the calling thread's ring and the pool's cached buffers
+ * back now (a program at exit, so that leak checkers see a clean exit;
+ * a thread that is done with the engine).  Harmless if there are none. */
+void bcf_release_memory (void);
 
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
 /* The export an opened cache holds, as its uuid entry recorded it at

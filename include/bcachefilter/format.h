@@ -469,7 +469,7 @@ enum bch_status bch_jset_decode (const void *buf, size_t len,
                                  struct bch_diag *diag);
 
 /* Walk a whole journal bucket (len bytes) block by block, as the engine's
- * journal read does (core/journal.c, scan_bucket): at each offset where a
+ * journal read does (core/journal.c, journal_scan): at each offset where a
  * 240-byte header still fits, an entry that bch_jset_decode accepts (with
  * len - offset bytes available) is passed to cb with its byte offset and
  * its size rounded up to block_bytes, and the walk resumes just past it;
@@ -489,6 +489,17 @@ enum bch_status bch_journal_bucket_walk (const void *bucket, size_t len,
                                          unsigned block_bytes,
                                          uint64_t jset_magic, bch_jset_cb cb,
                                          void *opaque, struct bch_diag *diag);
+/* The same walk, also telling bad (if not NULL) about every block that
+ * carries the jset magic but does not decode (a torn or corrupt entry):
+ * its byte offset and why.  Free space and garbage without the magic are
+ * not reported.  A non-zero return from bad stops the walk, as for cb. */
+typedef int (*bch_jset_bad_cb) (size_t offset, const struct bch_diag *why,
+                                void *opaque);
+enum bch_status bch_journal_bucket_scan (const void *bucket, size_t len,
+                                         unsigned block_bytes,
+                                         uint64_t jset_magic, bch_jset_cb cb,
+                                         bch_jset_bad_cb bad, void *opaque,
+                                         struct bch_diag *diag);
 
 /* ------------------------------------------------------------------------
  * struct prio_set: 40-byte header, then {prio u16, gen u8} per bucket

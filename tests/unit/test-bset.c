@@ -18,20 +18,9 @@
 #include <check.h>
 
 #include "bset.h"
+#include "testlib.h"
 
 static unsigned seed;
-
-/* xorshift64*: a small, seedable, reproducible generator. */
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
-static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
 
 /* ---- The reference model ------------------------------------------------ */
 #define M_INODES  3
@@ -320,16 +309,6 @@ bset_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
-
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-bset: seed=%u (set TEST_SEED to replay)\n", seed);
-  fflush (stdout);
-  sr = srunner_create (bset_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  seed = test_seed ("test-bset");
+  return test_main (bset_suite ());
 }

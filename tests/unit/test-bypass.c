@@ -36,6 +36,7 @@
 #include <check.h>
 
 #include "bypass.h"
+#include "testlib.h"
 
 #define CHUNK   (UINT64_C (1) << BCF_BYPASS_CHUNK_SHIFT)   /* 32 MiB */
 #define PAGE_CHUNKS 1024
@@ -831,16 +832,6 @@ bypass_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
-
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-bypass: seed=%u (set TEST_SEED to replay)\n", seed);
-  fflush (stdout);
-  sr = srunner_create (bypass_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  seed = test_seed ("test-bypass");
+  return test_main (bypass_suite ());
 }

@@ -1233,15 +1233,11 @@ add (Suite *s, const char *name, const TTest *t)
   suite_add_tcase (s, tc);
 }
 
-int
-main (void)
+static Suite *
+crash_suite (void)
 {
   Suite *s = suite_create ("crash");
-  SRunner *sr;
-  int failed;
 
-  seed = test_seed ("test-crash");
-  test_tmpdir (tmpdir, sizeof tmpdir, "bcf-crash");
   add (s, "journal_torn_newest", test_journal_torn_newest);
   add (s, "journal_gap_refused", test_journal_gap_refused);
   add (s, "crash_inserts", test_crash_inserts);
@@ -1256,10 +1252,17 @@ main (void)
   add (s, "invalidate_journal_choice", test_invalidate_journal_choice);
   add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
   add (s, "fill_survives_crash", test_fill_survives_crash);
-  sr = srunner_create (s);
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
+  return s;
+}
+
+int
+main (void)
+{
+  int r;
+
+  seed = test_seed ("test-crash");
+  test_tmpdir (tmpdir, sizeof tmpdir, "bcf-crash");
+  r = test_main (crash_suite ());
   rmdir (tmpdir);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return r;
 }

@@ -39,6 +39,7 @@
 #include <check.h>
 
 #include "ctl.h"
+#include "testlib.h"
 
 #define CTL_BIN BUILDDIR "/../tools/bcachefilter-ctl"
 
@@ -1241,12 +1242,5 @@ ctl_suite (void)
 int
 main (void)
 {
-  SRunner *sr;
-  int failed;
-
-  sr = srunner_create (ctl_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return test_main (ctl_suite ());
 }

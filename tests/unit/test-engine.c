@@ -1279,15 +1279,11 @@ engine_suite (void)
 int
 main (void)
 {
-  SRunner *sr;
-  int failed;
+  int r;
 
   seed = test_seed ("test-engine");
   test_tmpdir (tmpdir, sizeof tmpdir, "bcf-engine");
-  sr = srunner_create (engine_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
+  r = test_main (engine_suite ());
   rmdir (tmpdir);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return r;
 }

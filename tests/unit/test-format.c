@@ -59,6 +59,7 @@
 #include <check.h>
 
 #include "bcachefilter/format.h"
+#include "testlib.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -78,7 +79,7 @@
 extern char **environ;
 
 /* Set once in main, inherited by the forked test processes. */
-static unsigned test_seed;
+static unsigned run_seed;
 static char tmpdir[] = "/tmp/bcf-test-XXXXXX";
 
 #define KiB 1024u
@@ -179,19 +180,19 @@ all_zero (const void *buf, size_t off, size_t len)
 }
 
 /* splitmix64: a small deterministic PRNG; every randomised test reseeds
- * it from test_seed so that tests are reproducible on their own. */
-static uint64_t rng_state;
+ * it from run_seed so that tests are reproducible on their own. */
+static uint64_t mix_state;
 
 static void
 rng_seed (uint64_t salt)
 {
-  rng_state = ((uint64_t) test_seed << 32) ^ salt ^ 0x9e3779b97f4a7c15ull;
+  mix_state = ((uint64_t) run_seed << 32) ^ salt ^ 0x9e3779b97f4a7c15ull;
 }
 
 static uint64_t
 rng64 (void)
 {
-  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+  uint64_t z = (mix_state += 0x9e3779b97f4a7c15ull);
 
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -545,11 +546,11 @@ START_TEST (test_crc64_vs_reference)
 
     ck_assert_msg (bch_crc64 (buf + off, len) == ref_crc64 (buf + off, len),
                    "bch_crc64 differs from reference, len %zu off %zu "
-                   "(seed %u)", len, off, test_seed);
+                   "(seed %u)", len, off, run_seed);
     ck_assert_msg (bch_crc64_update (seedv, buf + off, len) ==
                    ref_crc64_be (seedv, buf + off, len),
                    "bch_crc64_update differs from reference, len %zu "
-                   "(seed %u)", len, test_seed);
+                   "(seed %u)", len, run_seed);
   }
   free (buf);
 }
@@ -806,7 +807,7 @@ START_TEST (test_sb_roundtrip_random)
       sb.d[i] = sb.first_bucket + i;
     st = sb_cycle (&sb, &out, &diag);
     ck_assert_msg (st == BCH_OK, "decode: %s: %s (seed %u)",
-                   bch_status_name (st), diag.msg, test_seed);
+                   bch_status_name (st), diag.msg, run_seed);
     assert_sb_equal (&sb, &out);
   }
 }
@@ -2636,7 +2637,7 @@ START_TEST (test_jset_random)
     ck_assert_uint_eq (le64_at (buf, 0), ref_crc64 (buf + 8, sz - 8));
     st = bch_jset_decode (buf, sz, EXAMPLE_JSET_MAGIC, &out, &diag);
     ck_assert_msg (st == BCH_OK, "%s: %s (seed %u)", bch_status_name (st),
-                   diag.msg, test_seed);
+                   diag.msg, run_seed);
     ck_assert_uint_eq (out.seq, j.seq);
     ck_assert_uint_eq (out.last_seq, j.last_seq);
     ck_assert_uint_eq (out.keys, words);
@@ -3013,17 +3014,16 @@ format_suite (void)
   return s;
 }
 
-static Suite *
-interop_suite (void)
+/* Interoperability with bcache-tools (added when make-bcache exists). */
+static TCase *
+interop_tcase (void)
 {
-  Suite *s = suite_create ("interop");
   TCase *t = tc ("bcache-tools");
 
   tcase_add_loop_test (t, test_make_bcache, 0,
                        (int) (sizeof mb_cfgs / sizeof mb_cfgs[0]));
   tcase_add_test (t, test_encode_super_show);
-  suite_add_tcase (s, t);
-  return s;
+  return t;
 }
 
 static int
@@ -3036,31 +3036,21 @@ rm_entry (const char *path, const struct stat *st, int type, struct FTW *f)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
+  Suite *s;
+  int r;
 
-  test_seed = env && *env ? (unsigned) strtoul (env, NULL, 0)
-                          : (unsigned) time (NULL) ^ (unsigned) getpid ();
-  printf ("test-format: seed=%u\n", test_seed);
-  fflush (stdout);
-
+  run_seed = test_seed ("test-format");
   if (mkdtemp (tmpdir) == NULL) {
     perror ("mkdtemp");
     return EXIT_FAILURE;
   }
-
-  sr = srunner_create (format_suite ());
+  s = format_suite ();
   if (strcmp (MAKE_BCACHE, "no") == 0)
     printf ("SKIP: make-bcache missing\n");
   else
-    srunner_add_suite (sr, interop_suite ());
+    suite_add_tcase (s, interop_tcase ());
   fflush (stdout);
-
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-
+  r = test_main (s);
   nftw (tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return r;
 }

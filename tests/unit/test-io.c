@@ -29,6 +29,7 @@
 #include <check.h>
 
 #include "../../core/io.h"
+#include "testlib.h"
 
 #define KiB 1024u
 #define MiB (1024u * 1024u)
@@ -40,14 +41,14 @@ static unsigned seed;
 /* xorshift64*: small, seedable. */
 struct rng { uint64_t s; };
 static uint64_t
-rnd (struct rng *r)
+rng_next (struct rng *r)
 {
   r->s ^= r->s >> 12;
   r->s ^= r->s << 25;
   r->s ^= r->s >> 27;
   return r->s * 2685821657736338717ull;
 }
-static uint64_t rnd_below (struct rng *r, uint64_t n) { return n ? rnd (r) % n : 0; }
+static uint64_t rng_below (struct rng *r, uint64_t n) { return n ? rng_next (r) % n : 0; }
 
 /* A generator for one test: the global seed mixed with the test's name. */
 static struct rng
@@ -223,7 +224,7 @@ pool_worker (void *arg)
   struct { unsigned char *p; size_t len; } held[8] = { { 0 } };
 
   for (int i = 0; i < 3000; i++) {
-    unsigned k = rnd_below (&r, 8);
+    unsigned k = rng_below (&r, 8);
     if (held[k].p) {
       /* Nobody else may have been handed this buffer meanwhile. */
       for (size_t j = 0; j < held[k].len; j += 512)
@@ -233,7 +234,7 @@ pool_worker (void *arg)
       held[k].p = NULL;
     }
     else {
-      held[k].len = (size_t) 4096 << rnd_below (&r, 9);
+      held[k].len = (size_t) 4096 << rng_below (&r, 9);
       held[k].p = bcf_buf_alloc (held[k].len);
       if (held[k].p == NULL)
         t->bad++;
@@ -254,7 +255,7 @@ START_TEST (test_buf_pool_threads)
   struct pool_thread t[8];
 
   for (unsigned i = 0; i < 8; i++) {
-    t[i] = (struct pool_thread) { .id = i + 1, .seed = rnd (&r) | 1 };
+    t[i] = (struct pool_thread) { .id = i + 1, .seed = rng_next (&r) | 1 };
     ck_assert_int_eq (pthread_create (&th[i], NULL, pool_worker, &t[i]), 0);
   }
   for (unsigned i = 0; i < 8; i++) {
@@ -723,7 +724,7 @@ io_worker (void *arg)
     return NULL;
   }
   for (unsigned it = 0; it < 150; it++) {
-    unsigned nseg = 1 + rnd_below (&r, 4);
+    unsigned nseg = 1 + rng_below (&r, 4);
     struct bcf_io_seg segs[4];
     size_t used = 0;
 
@@ -731,8 +732,8 @@ io_worker (void *arg)
      * region only across submits (within one, they are disjoint slices). */
     for (unsigned s = 0; s < nseg; s++) {
       uint64_t slice = T_REGION / 4, lo = s * slice;
-      size_t len = 4096 * (1 + rnd_below (&r, 8));
-      uint64_t off = lo + 4096 * rnd_below (&r, (slice - len) / 4096 + 1);
+      size_t len = 4096 * (1 + rng_below (&r, 8));
+      uint64_t off = lo + 4096 * rng_below (&r, (slice - len) / 4096 + 1);
       fill (buf + used, len, base + off, t->id * 1000 + it);
       segs[s] = (struct bcf_io_seg) { BCF_IO_WRITE, buf + used, len,
                                       base + off, 0 };
@@ -741,10 +742,10 @@ io_worker (void *arg)
     }
     if (bcf_io_submit (t->io, segs, nseg) != 0)
       t->bad++;
-    if (rnd_below (&r, 16) == 0 && bcf_io_flush (t->io) != 0)
+    if (rng_below (&r, 16) == 0 && bcf_io_flush (t->io) != 0)
       t->bad++;
-    if (rnd_below (&r, 8) == 0) {
-      uint64_t off = 4096 * rnd_below (&r, T_REGION / 4096 - 16);
+    if (rng_below (&r, 8) == 0) {
+      uint64_t off = 4096 * rng_below (&r, T_REGION / 4096 - 16);
       if (bcf_io_pread (t->io, buf, 16 * 4096, base + off) != 0 ||
           memcmp (buf, t->model + off, 16 * 4096) != 0)
         t->bad++;
@@ -767,7 +768,7 @@ START_TEST (test_threads)
   unsigned char *back = malloc (T_REGION);
 
   for (unsigned i = 0; i < T_THREADS; i++) {
-    t[i] = (struct io_thread) { .io = io, .id = i, .seed = rnd (&r) | 1,
+    t[i] = (struct io_thread) { .io = io, .id = i, .seed = rng_next (&r) | 1,
                                 .model = calloc (1, T_REGION) };
     ck_assert_int_eq (pthread_create (&th[i], NULL, io_worker, &t[i]), 0);
   }
@@ -1120,18 +1121,18 @@ START_TEST (test_crash_random)
 
   for (int round = 0; round < 12; round++) {
     struct cr_write w[CR_WRITES];
-    uint64_t crash_seed = rnd (&r);
+    uint64_t crash_seed = rng_next (&r);
     char *p1 = make_file (CR_SIZE), *p2 = make_file (CR_SIZE);
     int match = -1, r1, r2;
 
     /* Random base contents; random overlapping writes. */
     for (unsigned i = 0; i < CR_SIZE; i += 8)
-      *(uint64_t *) (base + i) = rnd (&r);
+      *(uint64_t *) (base + i) = rng_next (&r);
     file_write (p1, base, CR_SIZE, 0);
     file_write (p2, base, CR_SIZE, 0);
     for (int i = 0; i < CR_WRITES; i++) {
-      w[i].len = 4096 * (1 + rnd_below (&r, 6));
-      w[i].off = 4096 * rnd_below (&r, (CR_SIZE - w[i].len) / 4096 + 1);
+      w[i].len = 4096 * (1 + rng_below (&r, 6));
+      w[i].off = 4096 * rng_below (&r, (CR_SIZE - w[i].len) / 4096 + 1);
       w[i].tag = 1000 * round + i + 1;
     }
     printf ("crash_random round %d: crash seed %" PRIu64 "\n", round,
@@ -1196,7 +1197,7 @@ START_TEST (test_crash_overlap)
     char *path = make_file (CR_SIZE);
     struct bcf_io *io = open_mode (path, loop_modes[_i]);
     struct bcf_io_faults f = { 0 };
-    uint64_t s = rnd (&r);
+    uint64_t s = rng_next (&r);
     unsigned char *buf = xbuf (32 * KiB);
     int n, m;
 
@@ -1347,18 +1348,11 @@ io_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
+  int r;
 
-  seed = env && *env ? strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-io: seed %u (TEST_SEED=%u to replay)\n", seed, seed);
-  fflush (stdout);
-  sr = srunner_create (io_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  if (failed)
+  seed = test_seed ("test-io");
+  r = test_main (io_suite ());
+  if (r)
     printf ("test-io: seed was %u\n", seed);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return r;
 }

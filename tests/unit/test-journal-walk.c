@@ -32,6 +32,7 @@
 #include <check.h>
 
 #include "bcachefilter/format.h"
+#include "testlib.h"
 
 #include <inttypes.h>
 #include <stdbool.h>
@@ -41,7 +42,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static unsigned test_seed;
+static unsigned run_seed;
 
 #define KiB 1024u
 /* Any set magic will do; this is the jset magic of a set_uuid starting
@@ -507,7 +508,7 @@ reference_scan (const uint8_t *buf, size_t len, unsigned block,
  * reference loop and its entries must be aligned and disjoint. */
 START_TEST (test_walk_random)
 {
-  unsigned rs = test_seed + 77;
+  unsigned rs = run_seed + 77;
 
   for (unsigned iter = 0; iter < 300; iter++) {
     const unsigned block = 512u << (rand_r (&rs) % 4);
@@ -574,18 +575,6 @@ journal_walk_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
-
-  test_seed = env && *env ? (unsigned) strtoul (env, NULL, 0)
-                          : (unsigned) time (NULL) ^ (unsigned) getpid ();
-  printf ("test-journal-walk: seed=%u\n", test_seed);
-  fflush (stdout);
-
-  sr = srunner_create (journal_walk_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  run_seed = test_seed ("test-journal-walk");
+  return test_main (journal_walk_suite ());
 }

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "mem-backing.h"
+#include "testlib.h"
 
 #define KiB (UINT64_C(1) << 10)
 #define MiB (UINT64_C(1) << 20)
@@ -37,7 +38,7 @@ static uint64_t seed_base;
  * ------------------------------------------------------------------------ */
 
 static uint64_t
-rnd (uint64_t *s)
+mix_next (uint64_t *s)
 {
   uint64_t z = (*s += UINT64_C(0x9e3779b97f4a7c15));
 
@@ -48,7 +49,7 @@ rnd (uint64_t *s)
 
 /* The seed of one random test, printed so a failure can be replayed. */
 static uint64_t
-test_seed (const char *name)
+case_seed (const char *name)
 {
   printf ("%s: TEST_SEED=%" PRIu64 "\n", name, seed_base);
   fflush (stdout);
@@ -137,7 +138,7 @@ assert_store_eq (struct mem_backing *mb, const uint8_t *ref, size_t len,
 static uint64_t
 rnd_len (uint64_t *s, uint64_t max)
 {
-  uint64_t len = (rnd (s) & 1) ? 1 + rnd (s) % 700 : 1 + rnd (s) % 20000;
+  uint64_t len = (mix_next (s) & 1) ? 1 + mix_next (s) % 700 : 1 + mix_next (s) % 20000;
   return len < max ? len : max;
 }
 
@@ -151,12 +152,12 @@ model_run (struct mem_backing *mb, uint8_t *shadow, uint64_t size,
 
   ck_assert_ptr_nonnull (buf);
   for (i = 0; i < nops; i++) {
-    uint64_t off = rnd (s) % size, len = rnd_len (s, size - off);
+    uint64_t off = mix_next (s) % size, len = rnd_len (s, size - off);
 
-    switch (rnd (s) % 10) {
+    switch (mix_next (s) % 10) {
     case 0: case 1: case 2: case 3:
       fill (buf, len, off, (unsigned) i);
-      ck_assert_int_eq (wr (mb, buf, len, off, rnd (s) % 4 == 0), 0);
+      ck_assert_int_eq (wr (mb, buf, len, off, mix_next (s) % 4 == 0), 0);
       memcpy (shadow + off, buf, len);
       break;
     case 4: case 5: case 6:
@@ -170,7 +171,7 @@ model_run (struct mem_backing *mb, uint8_t *shadow, uint64_t size,
       memset (shadow + off, 0, len);
       break;
     case 8:
-      ck_assert_int_eq (zr (mb, len, off, rnd (s) & 1), 0);
+      ck_assert_int_eq (zr (mb, len, off, mix_next (s) & 1), 0);
       memset (shadow + off, 0, len);
       break;
     case 9:
@@ -288,7 +289,7 @@ START_TEST (test_roundtrip_unaligned)
 
   /* Then random requests against the model. */
   {
-    uint64_t s = test_seed ("roundtrip_unaligned");
+    uint64_t s = case_seed ("roundtrip_unaligned");
     const uint64_t msize = MiB + 333;
     uint8_t *mshadow = calloc (1, msize);
 
@@ -605,7 +606,7 @@ END_TEST
 
 START_TEST (test_latency)
 {
-  uint64_t s = test_seed ("latency");
+  uint64_t s = case_seed ("latency");
   const uint64_t size = 256 * KiB;
   struct mem_backing *mb = mem_backing_new (size);
   uint8_t *shadow = calloc (1, size);
@@ -912,7 +913,7 @@ END_TEST
 
 START_TEST (test_crash_keep_all)
 {
-  uint64_t s = test_seed ("crash_keep_all");
+  uint64_t s = case_seed ("crash_keep_all");
   const uint64_t size = 256 * KiB;
   struct mem_backing *mb = mem_backing_new (size);
   uint8_t *shadow = calloc (1, size);
@@ -945,14 +946,14 @@ random_history (struct mem_backing *mb, uint64_t size, uint64_t s, int nops)
 
   ck_assert_ptr_nonnull (buf);
   for (i = 0; i < nops; i++) {
-    uint64_t off = rnd (&s) % size, len = rnd_len (&s, size - off);
+    uint64_t off = mix_next (&s) % size, len = rnd_len (&s, size - off);
 
-    switch (rnd (&s) % 6) {
+    switch (mix_next (&s) % 6) {
     case 0: ck_assert_int_eq (tr (mb, len, off), 0); break;
     case 1: ck_assert_int_eq (zr (mb, len, off, false), 0); break;
     default:
       fill (buf, len, off, (unsigned) i);
-      ck_assert_int_eq (wr (mb, buf, len, off, rnd (&s) % 8 == 0), 0);
+      ck_assert_int_eq (wr (mb, buf, len, off, mix_next (&s) % 8 == 0), 0);
     }
   }
   free (buf);
@@ -960,11 +961,11 @@ random_history (struct mem_backing *mb, uint64_t size, uint64_t s, int nops)
 
 START_TEST (test_crash_random_deterministic)
 {
-  uint64_t s = test_seed ("crash_random_deterministic");
+  uint64_t s = case_seed ("crash_random_deterministic");
   const uint64_t size = 256 * KiB;
   struct mem_backing *a = mem_backing_new (size), *b = mem_backing_new (size);
   uint8_t *ra = malloc (size), *rb = malloc (size);
-  uint64_t na, nb, seed = rnd (&s);
+  uint64_t na, nb, seed = mix_next (&s);
   static uint8_t buf[20 * 1024];
   int i;
 
@@ -1072,16 +1073,16 @@ hist_keep (void *arg, uint64_t i, uint64_t off, uint64_t len)
   h->next--;
   if (h->ops[h->next].off != off || h->ops[h->next].len != len)
     h->mismatch = true;
-  h->ops[h->next].kept = rnd (&h->rng) % 3 != 0;
+  h->ops[h->next].kept = mix_next (&h->rng) % 3 != 0;
   return h->ops[h->next].kept;
 }
 
 START_TEST (test_crash_model)
 {
-  uint64_t s = test_seed ("crash_model");
+  uint64_t s = case_seed ("crash_model");
   const uint64_t size = 128 * KiB + 1000;
   struct mem_backing *mb = mem_backing_new (size);
-  struct history h = { .rng = rnd (&s) };
+  struct history h = { .rng = mix_next (&s) };
   uint8_t *shadow = calloc (1, size), *buf = malloc (20000);
   int round, i;
 
@@ -1095,8 +1096,8 @@ START_TEST (test_crash_model)
     size_t k;
 
     for (i = 0; i < 60; i++) {
-      uint64_t off = rnd (&s) % size, len = rnd_len (&s, size - off);
-      unsigned what = rnd (&s) % 12;
+      uint64_t off = mix_next (&s) % size, len = rnd_len (&s, size - off);
+      unsigned what = mix_next (&s) % 12;
 
       if (what == 0) {
         ck_assert_int_eq (fl (mb), 0);
@@ -1183,11 +1184,11 @@ ct_run (void *arg)
   int i;
 
   for (i = 0; i < CT_OPS && !t->errors; i++) {
-    uint64_t unit = (rnd (&s) % CT_UNITS) * CT_THREADS + t->id;
-    uint64_t in = rnd (&s) % CT_UNIT;
-    uint64_t len = 1 + rnd (&s) % (CT_UNIT - in);
+    uint64_t unit = (mix_next (&s) % CT_UNITS) * CT_THREADS + t->id;
+    uint64_t in = mix_next (&s) % CT_UNIT;
+    uint64_t len = 1 + mix_next (&s) % (CT_UNIT - in);
     uint64_t off = unit * CT_UNIT + in;
-    unsigned what = rnd (&s) % 10;
+    unsigned what = mix_next (&s) % 10;
     int r;
 
     if (what < 6) {
@@ -1236,7 +1237,7 @@ ct_flusher (void *arg)
 
 START_TEST (test_concurrent)
 {
-  uint64_t s = test_seed ("concurrent");
+  uint64_t s = case_seed ("concurrent");
   struct mem_backing *mb = mem_backing_new (CT_SIZE);
   uint8_t *shadow = calloc (1, CT_SIZE);
   struct ct_thread t[CT_THREADS];
@@ -1253,7 +1254,7 @@ START_TEST (test_concurrent)
   ck_assert_int_eq (pthread_create (&flusher, NULL, ct_flusher, mb), 0);
   for (i = 0; i < CT_THREADS; i++) {
     t[i] = (struct ct_thread) {
-      .mb = mb, .id = i, .seed = rnd (&s), .shadow = shadow,
+      .mb = mb, .id = i, .seed = mix_next (&s), .shadow = shadow,
     };
     ck_assert_int_eq (pthread_create (&t[i].tid, NULL, ct_run, &t[i]), 0);
   }
@@ -1345,18 +1346,6 @@ mem_backing_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
-
-  seed_base = env && *env ? strtoull (env, NULL, 0)
-    : (uint64_t) time (NULL) ^ ((uint64_t) getpid () << 32);
-  printf ("test-mem-backing: TEST_SEED=%" PRIu64 "\n", seed_base);
-  fflush (stdout);
-
-  sr = srunner_create (mem_backing_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  seed_base = test_seed ("test-mem-backing");
+  return test_main (mem_backing_suite ());
 }

@@ -945,12 +945,24 @@ START_TEST (test_model)
 }
 END_TEST
 
+static Suite *
+model_suite (void)
+{
+  Suite *s = suite_create ("model");
+
+  for (unsigned i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+    TCase *tc = tcase_create (configs[i].name);
+    tcase_set_timeout (tc, 600);
+    tcase_add_loop_test (tc, test_model, (int) i, (int) i + 1);
+    suite_add_tcase (s, tc);
+  }
+  return s;
+}
+
 int
 main (void)
 {
-  Suite *s = suite_create ("model");
-  SRunner *sr;
-  int failed;
+  int r;
 
   seed = test_seed ("test-model");
   total_ops = getenv ("TEST_MODEL_OPS")
@@ -959,16 +971,7 @@ main (void)
           total_ops);
   fflush (stdout);
   test_tmpdir (tmpdir, sizeof tmpdir, "bcf-model");
-  for (unsigned i = 0; i < sizeof configs / sizeof configs[0]; i++) {
-    TCase *tc = tcase_create (configs[i].name);
-    tcase_set_timeout (tc, 600);
-    tcase_add_loop_test (tc, test_model, (int) i, (int) i + 1);
-    suite_add_tcase (s, tc);
-  }
-  sr = srunner_create (s);
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
+  r = test_main (model_suite ());
   rmdir (tmpdir);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return r;
 }

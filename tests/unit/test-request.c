@@ -1376,16 +1376,12 @@ request_suite (void)
 int
 main (void)
 {
-  SRunner *sr;
-  int failed;
+  int r;
 
   seed = test_seed ("test-request");
   rng_state = seed * 0x9e3779b97f4a7c15ull + 1;
   test_tmpdir (tmpdir, sizeof tmpdir, "test-request");
-  sr = srunner_create (request_suite ());
-  srunner_run_all (sr, CK_ENV);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
+  r = test_main (request_suite ());
   rmdir (tmpdir);
-  return failed ? 1 : 0;
+  return r;
 }

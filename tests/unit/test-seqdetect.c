@@ -21,6 +21,7 @@
 #include <check.h>
 
 #include "seqdetect.h"
+#include "testlib.h"
 
 #define RECENT_IO 128                   /* bcache's RECENT_IO */
 #define SEC       UINT64_C (1000000000)
@@ -28,17 +29,6 @@
 #define MiB       (UINT64_C (1) << 20)
 
 static unsigned seed;
-
-static uint64_t rng_state;
-static uint64_t
-rnd (void)
-{
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 2685821657736338717ull;
-}
-static uint64_t rnd_below (uint64_t n) { return n ? rnd () % n : 0; }
 
 static _Atomic uint64_t fake_ns;
 static uint64_t fake_clock (void) { return atomic_load (&fake_ns); }
@@ -288,16 +278,6 @@ seqdetect_suite (void)
 int
 main (void)
 {
-  const char *env = getenv ("TEST_SEED");
-  SRunner *sr;
-  int failed;
-
-  seed = env ? (unsigned) strtoul (env, NULL, 0) : (unsigned) time (NULL);
-  printf ("test-seqdetect: seed=%u (set TEST_SEED to replay)\n", seed);
-  fflush (stdout);
-  sr = srunner_create (seqdetect_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  seed = test_seed ("test-seqdetect");
+  return test_main (seqdetect_suite ());
 }

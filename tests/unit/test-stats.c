@@ -22,6 +22,7 @@
 #include <check.h>
 
 #include "bcachefilter/stats.h"
+#include "testlib.h"
 
 /* bcache's accounting_delay, in ns. */
 #define TICK (300ull * 1000000000ull / 22)
@@ -378,12 +379,5 @@ stats_suite (void)
 int
 main (void)
 {
-  SRunner *sr;
-  int failed;
-
-  sr = srunner_create (stats_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return test_main (stats_suite ());
 }

@@ -1,4 +1,4 @@
-/* bcachefilter tests: helpers shared by the engine unit tests; see
+/* bcachefilter tests: helpers shared by the Check unit tests; see
  * testlib.h. */
 #include "config.h"
 
@@ -8,6 +8,18 @@
 #include <unistd.h>
 
 #include "testlib.h"
+
+int
+test_main (Suite *suite)
+{
+  SRunner *sr = srunner_create (suite);
+  int failed;
+
+  srunner_run_all (sr, CK_ENV);
+  failed = srunner_ntests_failed (sr);
+  srunner_free (sr);
+  return failed ? 1 : 0;
+}
 
 uint64_t rng_state;
 

@@ -1,6 +1,7 @@
-/* bcachefilter tests: helpers shared by the engine unit tests
- * (test-engine, test-crash, test-model, test-request).
+/* bcachefilter tests: helpers shared by the Check unit tests.
  *
+ * - test_main: the main of every Check test program (run the suite,
+ *   Check's summary, the exit status automake expects);
  * - rnd / rnd_below: the xorshift64* generator every random test uses;
  *   each test seeds rng_state itself (from the printed seed), so a run is
  *   replayed with TEST_SEED.
@@ -14,6 +15,15 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include <check.h>
+
+/* Run suite (srunner_run_all; CK_VERBOSITY chooses the output, normal by
+ * default) and return the program's exit status: 0 if every test
+ * passed, 1 if not.  Each test program's main prints its seed first
+ * (test_seed) where it has one, sets up what its suite needs, then
+ * returns test_main (its_suite ()) after its own cleanup. */
+int test_main (Suite *suite);
 
 extern uint64_t rng_state;
 uint64_t rnd (void);

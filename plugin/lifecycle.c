@@ -1,0 +1,374 @@
+/* nbdkit-bcachefilter-filter: the cache's life in the filter (see
+ * lifecycle.h). */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bcachefilter/cache.h"
+#include "bcachefilter/claim.h"
+#include "bcachefilter/probe.h"
+#include "bcachefilter/request.h"
+#include "backing.h"
+#include "ctl.h"
+#include "lifecycle.h"
+#include "params.h"
+#include "probe.h"
+#include "render.h"
+
+static struct bcf_claim *claim;          /* from .get_ready on */
+static struct bcf_device_verdict verdict; /* what .get_ready found */
+static struct bcf_cache *cache;
+struct bcf_req *req;
+static uint64_t export_size;            /* the size the cache was opened for */
+static bool attached;                   /* ... and it is the export's */
+static bool ctl_running;
+static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_rwlock_t state_lock = PTHREAD_RWLOCK_INITIALIZER;
+
+/* The engine's messages: its warnings and errors are the operator's
+ * (nbdkit_error reaches the log, whatever nbdkit did with stderr), its
+ * information and detail are debug output (-v). */
+static void
+engine_log (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  if (level >= BCF_LOG_WARN)
+    nbdkit_error ("bcachefilter: %s", msg);
+  else
+    nbdkit_debug ("bcachefilter: %s", msg);
+}
+
+/* ---- control socket --------------------------------------------------------------- */
+
+/* An operation on the open cache: true with state_lock held for reading
+ * (ctl_end releases it), or false, saying why in err. */
+static bool
+ctl_begin (char *err, size_t errlen)
+{
+  pthread_rwlock_rdlock (&state_lock);
+  if (req)                      /* cache and req are open together */
+    return true;
+  pthread_rwlock_unlock (&state_lock);
+  snprintf (err, errlen, "the cache is not open");
+  return false;
+}
+
+static void
+ctl_end (void)
+{
+  pthread_rwlock_unlock (&state_lock);
+}
+
+static int
+ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
+{
+  if (!ctl_begin (err, errlen))
+    return -1;
+  render_stats (fp, json, cache, req);
+  ctl_end ();
+  return 0;
+}
+
+static int
+set_setting (const char *name, const char *value, char *err, size_t errlen)
+{
+  if (strcmp (name, "cache_mode") == 0) {
+    int m = parse_mode (value, err, errlen);
+    if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
+      return -1;
+    nbdkit_debug ("bcachefilter: cache_mode set to %s", value);
+    return 0;
+  }
+  if (strcmp (name, "sequential_cutoff") == 0) {
+    char *end;
+    unsigned long long v;
+
+    errno = 0;
+    v = strtoull (value, &end, 10);
+    if (errno || end == value || *end) {
+      snprintf (err, errlen, "sequential_cutoff '%s': give a number of bytes",
+                value);
+      return -1;
+    }
+    bcf_req_set_sequential_cutoff (req, v);
+    nbdkit_debug ("bcachefilter: sequential_cutoff set to %llu", v);
+    return 0;
+  }
+  snprintf (err, errlen, "unknown setting '%s'; settable: cache_mode, "
+            "sequential_cutoff", name);
+  return -1;
+}
+
+static int
+ctl_set (const char *name, const char *value, char *err, size_t errlen)
+{
+  int r;
+
+  if (!ctl_begin (err, errlen))
+    return -1;
+  r = set_setting (name, value, err, errlen);
+  ctl_end ();
+  return r;
+}
+
+static int
+ctl_trigger_gc (char *err, size_t errlen)
+{
+  if (!ctl_begin (err, errlen))
+    return -1;
+  bcf_trigger_gc (cache);
+  ctl_end ();
+  return 0;
+}
+
+static int
+ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
+{
+  if (!ctl_begin (err, errlen))
+    return -1;
+  render_super (fp, json, cache, cfg.path, export_size);
+  ctl_end ();
+  return 0;
+}
+
+static const struct bcf_ctl_ops ctl_ops = {
+  .stats = ctl_stats, .set = ctl_set, .trigger_gc = ctl_trigger_gc,
+  .show_super = ctl_show_super,
+};
+
+/* ---- .get_ready ------------------------------------------------------------------- */
+
+int
+filter_get_ready (int thread_model)
+{
+  return probe_cache (&claim, &verdict);
+}
+
+/* ---- opening the engine ----------------------------------------------------------- */
+
+/* The backing store handed to bcf_cache_open: only .size is called, and
+ * it answers the size the cache is opened for (lifecycle.h). */
+static int64_t
+open_size_fn (void *opaque)
+{
+  return (int64_t) *(const uint64_t *) opaque;
+}
+
+static const struct bcf_backing_ops open_ops = { .size = open_size_fn };
+
+/* The settings the request layer starts with. */
+struct req_settings {
+  enum bcf_cache_mode mode;
+  uint64_t cutoff;
+};
+
+/* Open the cache for an export of size bytes whose identity is uuid
+ * (zero: none yet), and its request layer and threads.  0, or -1 after
+ * nbdkit_error, with cache and req NULL. */
+static int
+open_engine (const uint8_t uuid[16], uint64_t size,
+             enum bcf_format_policy format, const struct req_settings *s)
+{
+  struct bcf_cache_opts o = { 0 };
+  struct bcf_req_opts ro = { 0 };
+  const char *label = cfg.id_any ? cfg.id_text : "nbdkit export";
+  char err[512];
+  int r;
+
+  o.path = cfg.path;
+  o.claim = claim;               /* created the file if it was missing */
+  o.io_mode = cfg.io_mode;
+  o.direct_off = !cfg.direct;
+  o.format = format;
+  o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
+  o.block_sectors = (unsigned) (cfg.block_size >> 9);
+  o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &size };
+  memcpy (o.backing_uuid, uuid, 16);
+  /* The label is informational and truncated to its 32 bytes. */
+  memcpy (o.backing_label, label,
+          strnlen (label, sizeof o.backing_label - 1));
+  o.node_cache_bytes = (size_t) cfg.node_cache;
+  o.journal_delay_ms = cfg.journal_delay_ms;
+  o.write_intent_off = !cfg.write_intent;
+  o.log = engine_log;
+
+  r = bcf_cache_open (&o, &cache, err, sizeof err);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: %s", err);
+    if (r == -EEXIST)
+      nbdkit_error ("bcachefilter: this cache belongs to another export; "
+                    "give the right bcache-backing-uuid=, or "
+                    "bcache-format=force to start an empty cache here");
+    return -1;
+  }
+  ro.mode = s->mode;
+  ro.sequential_cutoff = s->cutoff;
+  ro.error_limit = cfg.error_limit;
+  ro.error_halflife = cfg.error_halflife;
+  ro.background = bk_background ();
+  req = bcf_req_new (cache, &ro);
+  if (!req) {
+    nbdkit_error ("bcachefilter: out of memory");
+    goto fail;
+  }
+  if (cfg.test_no_tracker)
+    bcf_req_test_disable_tracker (req, true);
+  if ((r = bcf_cache_start_threads (cache)) < 0) {
+    nbdkit_error ("bcachefilter: starting the cache threads: %s",
+                  strerror (-r));
+    goto fail;
+  }
+  export_size = size;
+  return 0;
+
+ fail:
+  bcf_req_free (req);
+  req = NULL;
+  bcf_cache_close (cache);
+  cache = NULL;
+  return -1;
+}
+
+/* Close the request layer and the cache (a checkpoint). */
+static void
+close_engine (void)
+{
+  /* The request layer first: its fill workers finish what is queued. */
+  bcf_req_free (req);
+  req = NULL;
+  if (cache) {
+    int r = bcf_cache_close (cache);     /* stops threads, checkpoints */
+    if (r < 0)
+      nbdkit_error ("bcachefilter: closing the cache: %s (nothing is lost: "
+                    "the next start recovers from the journal)",
+                    strerror (-r));
+    cache = NULL;
+  }
+}
+
+/* The export's size, as the cache recorded it: known for a cache that
+ * holds this export (the probe in .get_ready checked the uuid), not for
+ * a new cache or one about to be formatted. */
+static bool
+recorded_size (uint64_t *size)
+{
+  if (cfg.format == BCF_FORMAT_FORCE || verdict.kind != BCF_DEVICE_CACHE ||
+      !verdict.has_owner || verdict.owner_bytes == 0)
+    return false;
+  *size = verdict.owner_bytes;
+  return true;
+}
+
+/* ---- .after_fork ------------------------------------------------------------------ */
+
+int
+filter_after_fork (nbdkit_backend *backend)
+{
+  static const uint8_t no_export[16];
+  const struct req_settings s = { cfg.mode, (uint64_t) cfg.cutoff };
+  uint64_t size = 0;
+  char err[512];
+
+  bk_background_init (backend);
+  attached = recorded_size (&size);
+  if (open_engine (attached ? cfg.uuid : no_export, size, cfg.format, &s) < 0)
+    return -1;
+  if (cfg.test_no_tracker)
+    nbdkit_error ("bcachefilter: the in-flight write tracker is disabled "
+                  "(bcache-test-disable-tracker): reads may cache stale "
+                  "data.  For tests only.");
+  if (cfg.ctl_path) {
+    if (bcf_ctl_start (cfg.ctl_path, &ctl_ops, err, sizeof err) < 0) {
+      nbdkit_error ("bcache-ctl=%s: %s", cfg.ctl_path, err);
+      close_engine ();
+      return -1;
+    }
+    ctl_running = true;
+  }
+  nbdkit_debug ("bcachefilter: cache %s open (%s%s), %s, mode %s", cfg.path,
+                bcf_cache_io_name (cache),
+                bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
+                attached ? "for the export it holds"
+                : "attached to its export at the first connection",
+                bcf_cache_mode_name (cfg.mode));
+  return 0;
+}
+
+/* ---- connections ------------------------------------------------------------------ */
+
+/* The first connection of a new cache: open it again for this export
+ * (lifecycle.h), keeping what the control socket set meanwhile.  On
+ * failure the server is shut down, as an open failure in .after_fork
+ * would have stopped it. */
+static int
+attach (uint64_t size)
+{
+  int r;
+
+  pthread_rwlock_wrlock (&state_lock);
+  {
+    const struct req_settings s = {
+      bcf_req_mode (req), bcf_req_sequential_cutoff (req),
+    };
+
+    close_engine ();
+    r = open_engine (cfg.uuid, size, BCF_FORMAT_NEVER, &s);
+  }
+  attached = r == 0;
+  pthread_rwlock_unlock (&state_lock);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: the cache could not be attached to the "
+                  "export; shutting down");
+    nbdkit_shutdown ();
+    return -1;
+  }
+  nbdkit_debug ("bcachefilter: cache %s attached to the export (%" PRIu64
+                " bytes)", cfg.path, size);
+  return 0;
+}
+
+int
+lifecycle_check_export (int64_t size)
+{
+  int r = 0;
+
+  pthread_mutex_lock (&attach_lock);
+  if (!attached && req)
+    r = attach ((uint64_t) size);
+  pthread_mutex_unlock (&attach_lock);
+  if (r < 0)
+    return -1;
+  if (!req) {
+    nbdkit_error ("bcachefilter: the cache is not open");
+    return -1;
+  }
+  if ((uint64_t) size != export_size) {
+    nbdkit_error ("bcachefilter: this export has %" PRIi64 " bytes but the "
+                  "cache holds an export of %" PRIu64 " bytes (one cache "
+                  "serves one export); if the export was resized, start "
+                  "with bcache-format=force for an empty cache", size,
+                  export_size);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- .cleanup --------------------------------------------------------------------- */
+
+void
+filter_cleanup (nbdkit_backend *backend)
+{
+  if (ctl_running) {
+    bcf_ctl_stop ();
+    ctl_running = false;
+  }
+  close_engine ();
+  bk_background_close ();       /* after the writeback thread stopped */
+  bcf_claim_release (claim);
+  claim = NULL;
+}

@@ -1,0 +1,203 @@
+/* nbdkit-bcachefilter-filter: the checks before nbdkit forks (see
+ * probe.h). */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bcachefilter/cleanup.h"
+#include "bcachefilter/format.h"
+#include "params.h"
+#include "probe.h"
+
+#define MIN_BUCKETS 128
+
+/* Can a cache of size bytes be formatted with the configured geometry?
+ * (bcache needs at least 128 buckets.) */
+static int
+check_format_size (uint64_t size, const char *what)
+{
+  uint64_t bucket = cfg.bucket_size ? (uint64_t) cfg.bucket_size : 512 * 1024;
+
+  if (size / bucket >= MIN_BUCKETS)
+    return 0;
+  nbdkit_error ("%s (%" PRIu64 " bytes) is too small for a cache: it needs "
+                "at least %d buckets of %" PRIu64 " KiB, that is %" PRIu64
+                " MiB; give a larger size, or a smaller bcache-bucket-size",
+                what, size, MIN_BUCKETS, bucket >> 10,
+                MIN_BUCKETS * bucket >> 20);
+  return -1;
+}
+
+/* A cache file that does not exist yet: may it be created (claiming it
+ * creates it)?  0 also when it exists. */
+static int
+check_new_file (void)
+{
+  struct stat s;
+  CLEANUP_FREE char *dir = NULL;
+  char *slash;
+
+  if (stat (cfg.path, &s) == 0)
+    return 0;
+  if (errno != ENOENT) {
+    nbdkit_error ("bcache=%s: %m", cfg.path);
+    return -1;
+  }
+  if (cfg.create_size == 0) {
+    nbdkit_error ("bcache=%s does not exist: give bcache-size=SIZE to "
+                  "create a cache file, or the path of a device", cfg.path);
+    return -1;
+  }
+  if (cfg.format == BCF_FORMAT_NEVER) {
+    nbdkit_error ("bcache=%s does not exist and bcache-format=never "
+                  "forbids creating it", cfg.path);
+    return -1;
+  }
+  dir = strdup (cfg.path);
+  if (!dir) {
+    nbdkit_error ("strdup: %m");
+    return -1;
+  }
+  slash = strrchr (dir, '/');
+  if (slash == dir)
+    dir[1] = '\0';
+  else if (slash)
+    *slash = '\0';
+  else
+    strcpy (dir, ".");
+  if (access (dir, W_OK | X_OK) == -1) {
+    nbdkit_error ("bcache=%s cannot be created: directory %s: %m",
+                  cfg.path, dir);
+    return -1;
+  }
+  return check_format_size ((uint64_t) cfg.create_size, "bcache-size");
+}
+
+/* Claim the cache device before anything reads or writes it, and hold
+ * the claim for the life of the process: nbdkit forks into the
+ * background after .get_ready, and the child inherits the claim's
+ * descriptor, so the lock is never let go in between (DESIGN.md "One
+ * writer per cache").  Claiming a missing file creates it. */
+static int
+claim_cache_device (struct bcf_claim **claim)
+{
+  char err[1024];
+  int r = bcf_claim_open (cfg.path, (uint64_t) cfg.create_size, claim,
+                          err, sizeof err);
+
+  if (r == -EBUSY) {
+    nbdkit_error ("bcache=%s: %s (see ONE WRITER PER CACHE in "
+                  "nbdkit-bcachefilter-filter(1))", cfg.path, err);
+    return -1;
+  }
+  if (r < 0) {
+    nbdkit_error ("bcache=%s: %s", cfg.path, err);
+    return -1;
+  }
+  return 0;
+}
+
+/* A cache of another export: refused (DESIGN.md "One writer per cache,
+ * one cache per export"). */
+static int
+check_owner (const struct bcf_device_verdict *v)
+{
+  char have[37], want[37];
+
+  if (!v->has_owner || memcmp (v->owner_uuid, cfg.uuid, 16) == 0)
+    return 0;
+  bch_uuid_unparse (v->owner_uuid, have);
+  bch_uuid_unparse (cfg.uuid, want);
+  nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
+                " bytes), not this one (uuid %s%s%s).  Give that export's "
+                "bcache-backing-uuid= if it is the same export under a new "
+                "name, or bcache-format=force to start an empty cache for "
+                "this one", cfg.path, have, v->owner_bytes, want,
+                cfg.have_uuid ? "" : ", derived from ",
+                cfg.have_uuid ? "" : (cfg.id_any ? cfg.id_text
+                                      : "no parameters"));
+  return -1;
+}
+
+/* Refuse now, with a clear message, whatever the open in .after_fork
+ * would refuse: that one runs after nbdkit has forked and started
+ * serving. */
+static int
+judge (const struct bcf_device_verdict *v)
+{
+  switch (v->kind) {
+  case BCF_DEVICE_TOO_SMALL:
+    nbdkit_error ("bcache=%s is too small to be a cache (%" PRIu64 " bytes)",
+                  cfg.path, v->size);
+    return -1;
+  case BCF_DEVICE_BLANK:
+    if (cfg.format == BCF_FORMAT_NEVER) {
+      nbdkit_error ("bcache=%s is blank, not a cache, and bcache-format=never "
+                    "forbids formatting it", cfg.path);
+      return -1;
+    }
+    return check_format_size (v->size, cfg.path);
+  case BCF_DEVICE_MAKE_BCACHE:
+    if (cfg.format == BCF_FORMAT_NEVER) {
+      nbdkit_error ("bcache=%s was made by make-bcache but never "
+                    "registered, and bcache-format=never forbids "
+                    "initialising it", cfg.path);
+      return -1;
+    }
+    return 0;
+  case BCF_DEVICE_CACHE:
+    return check_owner (v);
+  case BCF_DEVICE_FOREIGN:
+    if (v->data_at != UINT64_MAX)
+      nbdkit_error ("bcache=%s starts with zeros but is not blank: byte "
+                    "%" PRIu64 ", in its first or last MiB, is not (a "
+                    "filesystem, RAID or partition table signature?); "
+                    "refusing to overwrite it.  If it really is meant to be "
+                    "a cache, add bcache-format=force (this destroys it)",
+                    cfg.path, v->data_at);
+    else
+      nbdkit_error ("bcache=%s holds data that is not a bcache cache; "
+                    "refusing to overwrite it.  If it really is meant to be "
+                    "a cache, add bcache-format=force (this destroys it)",
+                    cfg.path);
+    return -1;
+  case BCF_DEVICE_BACKING:
+    nbdkit_error ("bcache=%s is a bcache backing device, not a cache "
+                  "device (make-bcache -C makes cache devices)", cfg.path);
+    return -1;
+  case BCF_DEVICE_CORRUPT:
+    nbdkit_error ("bcache=%s: %s.  Check it with bcachefilter-show --fsck; "
+                  "bcache-format=force starts a new, empty cache there",
+                  cfg.path, v->reason);
+    return -1;
+  }
+  return -1;
+}
+
+int
+probe_cache (struct bcf_claim **claim, struct bcf_device_verdict *v)
+{
+  struct bcf_probe_opts o = {
+    /* A forced format needs no check of what it destroys. */
+    .check = cfg.format != BCF_FORMAT_FORCE,
+    .direct_off = !cfg.direct,
+  };
+  char err[512];
+
+  if (check_new_file () == -1 || claim_cache_device (claim) == -1)
+    return -1;
+  if (bcf_device_probe (cfg.path, &o, v, err, sizeof err) < 0) {
+    nbdkit_error ("bcache=%s: %s", cfg.path, err);
+    return -1;
+  }
+  if (cfg.format == BCF_FORMAT_FORCE)
+    return v->kind == BCF_DEVICE_TOO_SMALL ? judge (v)
+           : check_format_size (v->size, cfg.path);
+  return judge (v);
+}
