@@ -508,10 +508,13 @@ dirty_in (const struct keyset *s, uint64_t inode, uint64_t start,
 }
 
 /* Insert one piece that lies inside leaf n.  Keeps tree.dirty_sectors
- * exact: an insert changes only what lies inside its own range. */
+ * exact: an insert changes only what lies inside its own range.
+ * survives: a crash can bring k back though no checkpoint captured it
+ * (it is journalled, or it is the clean copy of a dirty key that a
+ * journal entry or a committed node holds: it comes back dirty). */
 static int
 leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
-             uint64_t jseq)
+             bool survives)
 {
   const uint64_t inode = ckey_inode (k), s = ckey_start (k), e = ckey_end (k);
   size_t before = n->keys.nr;
@@ -526,7 +529,7 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
                       dirty_in (&n->keys, inode, s, e) - dirty_before,
                       __ATOMIC_RELAXED);
   c->tree.leaf_inserts++;
-  if (jseq && ckey_has_ptr (k) && !ckey_is_check (k))
+  if (survives && ckey_has_ptr (k) && !ckey_is_check (k))
     n->open_jdata = true;
   c->tree.nkeys += n->keys.nr - before;
   if (n->keys.nr > c->tree.max_leaf_keys) {
@@ -551,8 +554,8 @@ piece_in_leaf (const struct btree_node *n, const struct ckey *k, uint64_t pos)
   return p;
 }
 
-int
-btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
+static int
+insert_pieces (struct bcf_cache *c, const struct ckey *k, bool survives)
 {
   uint64_t pos = ckey_start (k);
   struct ckey need;
@@ -568,11 +571,17 @@ btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
     if (!n)
       return -EIO;
     p = piece_in_leaf (n, k, pos);
-    if ((r = leaf_insert (c, n, &p, jseq)) < 0)
+    if ((r = leaf_insert (c, n, &p, survives)) < 0)
       return r;
     pos = ckey_end (&p);
   }
   return 0;
+}
+
+int
+btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
+{
+  return insert_pieces (c, k, jseq != 0);
 }
 
 void
@@ -696,9 +705,15 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
       break;
     pos = ckey_end (&leaf->key);
   }
-  /* ... then each replaced by its clean copy, which covers exactly it. */
+  /* ... then each replaced by its clean copy, which covers exactly it.
+   * The copy is not journalled, but the dirty key it replaces is in the
+   * journal or in a committed node, so a crash brings the key back,
+   * dirty: the copy must not count as a key only memory has
+   * (extent.c's key_only_in_memory), or an invalidation over it would
+   * skip its journal write and the restart would write the dirty key's
+   * data back over the newer data of the write that invalidated it. */
   for (size_t i = 0; i < n && r == 0; i++) {
-    r = btree_insert_locked (c, &match[i], 0);
+    r = insert_pieces (c, &match[i], true);
     if (r == 0)
       cleaned += (int64_t) ckey_size (&match[i]);
   }

@@ -197,8 +197,10 @@ struct btree_node {
    * from) that removed a key a crash could bring back; never lowered.
    * A range that looks empty may be empty because of such an entry, so
    * a write there must not reach the backing store before it is durable.
-   * open_jdata: the open set may hold a data key that a journal entry
-   * holds, so it survives a crash though no checkpoint wrote it. */
+   * open_jdata: the open set may hold a data key that a crash brings
+   * back though no checkpoint wrote it: one a journal entry holds, or
+   * the clean copy of a dirty key (btree_mark_clean_locked), which comes
+   * back dirty. */
   uint64_t removal_seq;
   bool open_jdata;
   uint64_t last_use;        /* lru_clock at the last use (atomic) */

@@ -69,7 +69,8 @@ enum range_state {
  * newly allocated space).  Keys cut by later inserts are cut alike in
  * both sets, so the pieces still match.
  * open_jdata covers keys the journal holds: bcf_insert's, and those
- * replayed at open (which a writable open then checkpoints anyway). */
+ * replayed at open (which a writable open then checkpoints anyway), and
+ * the clean copies of dirty keys (a crash brings those back dirty). */
 static bool
 key_only_in_memory (const struct btree_node *n, const struct ckey *k)
 {

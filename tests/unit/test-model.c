@@ -144,7 +144,7 @@ struct config {
 
 struct counts {
   uint64_t dirty_writes, marked_clean, undone, dirty_refusals, crashes,
-           intent_dropped;
+           intent_dropped, written_back;
   uint64_t inserts, dirty_inserts, enospc, invalidates, begins, fills,
            fill_ok, collisions, cancels, lookups, hits, hit_blocks,
            reads, flushes, checkpoints, gc, reopens, verifies, reclaimed,
@@ -554,6 +554,52 @@ op_dirty_write (struct model *m, uint64_t blk, uint64_t nb, bool sync,
   lookup_check (m, blk, nb, false);
 }
 
+/* The writeback's clean marks: the dirty extents found in
+ * [blk, blk + nb) by bcf_dirty_scan, whole inside it, marked clean with
+ * bcf_dirty_mark_clean as core/writeback.c does once the backing store
+ * has them.  Not journalled: a crash finds them dirty again, so a later
+ * invalidation of such a block must still be journalled (its dirty
+ * version is in a checkpoint or the journal). */
+static void
+op_writeback_clean (struct model *m, uint64_t blk, uint64_t nb)
+{
+  const uint64_t end = (blk + nb) * m->block;
+  uint64_t pos = blk * m->block;
+
+  while (pos < end) {
+    struct bcf_extent e[16];
+    unsigned n = 0;
+
+    REQUIRE_OK (bcf_dirty_scan (m->c, pos, e, 16, &n));
+    if (n == 0)
+      break;
+    for (unsigned i = 0; i < n; i++) {
+      uint64_t eb = e[i].offset / m->block, enb = e[i].len / m->block;
+      int64_t clean;
+
+      if (e[i].offset >= end) {
+        pos = end;
+        break;
+      }
+      pos = e[i].offset + e[i].len;
+      if (e[i].offset < blk * m->block || pos > end)
+        continue;
+      for (uint64_t k = 0; k < enb; k++)
+        REQUIRE (m->b[eb + k].dirty, "seed %u op %" PRIu64 ": block %"
+                 PRIu64 " is dirty in the cache, clean in the model",
+                 seed, m->op, eb + k);
+      clean = bcf_dirty_mark_clean (m->c, &e[i]);
+      REQUIRE (clean == (int64_t) e[i].len, "seed %u op %" PRIu64
+               ": bcf_dirty_mark_clean cleaned %" PRId64 " of %" PRIu64
+               " bytes", seed, m->op, clean, e[i].len);
+      for (uint64_t k = 0; k < enb; k++)
+        m->b[eb + k].dirty = false;     /* on disk: still dirty */
+      m->n.written_back++;
+    }
+  }
+  lookup_check (m, blk, nb, false);
+}
+
 static bool
 range_dirty (const struct model *m, uint64_t blk, uint64_t nb)
 {
@@ -715,12 +761,17 @@ op_crash_episode (struct model *m)
     uint64_t what = rnd_below (10);
     uint64_t blk = rnd_below (m->nblocks - nb + 1);
 
-    if (m->cfg->dirty_blocks && what < 4) {
+    if (m->cfg->dirty_blocks && what < 5) {
       blk = rnd_below (m->cfg->dirty_blocks - nb + 1);
       if (what < 2)
         op_dirty_write (m, blk, nb, true, &seen);
-      else
+      else if (what < 4)
         op_insert (m, blk, nb, true, true, &seen);
+      else {
+        /* Written back, then changed: the invalidation must survive. */
+        op_writeback_clean (m, blk, nb);
+        op_invalidate (m, blk, nb, true, &seen);
+      }
     }
     else if (what < 6)
       op_insert (m, blk, nb, false, true, &seen);
@@ -825,7 +876,9 @@ model_run (const struct config *cfg)
       if (dirty) {
         nb = 1 + rnd_below (4);
         blk = rnd_below (cfg->dirty_blocks - nb + 1);
-        if (rnd_below (2))                      /* the request path's */
+        if (rnd_below (8) == 0)                 /* the writeback's */
+          op_writeback_clean (&m, blk, nb);
+        else if (rnd_below (2))                 /* the request path's */
           op_dirty_write (&m, blk, nb, rnd_below (10) == 0, NULL);
         else
           op_insert (&m, blk, nb, true, rnd_below (50) == 0, NULL);
@@ -891,11 +944,12 @@ model_run (const struct config *cfg)
           m.n.collisions, m.n.cancels, m.n.lookups, m.n.hits, m.n.hit_blocks,
           m.n.reads, m.n.flushes, m.n.reopens, m.n.verifies);
   printf ("test-model: %s: %" PRIu64 " dirty writes (%" PRIu64 " marked "
-          "clean, %" PRIu64 " undone), %" PRIu64 " misses refused over dirty "
+          "clean, %" PRIu64 " undone), %" PRIu64 " extents marked clean by "
+          "writeback, %" PRIu64 " misses refused over dirty "
           "data, %" PRIu64 " crash episodes (%" PRIu64 " clean blocks of "
           "marked write-intent regions dropped)\n", cfg->name,
-          m.n.dirty_writes, m.n.marked_clean, m.n.undone, m.n.dirty_refusals,
-          m.n.crashes, m.n.intent_dropped);
+          m.n.dirty_writes, m.n.marked_clean, m.n.undone, m.n.written_back,
+          m.n.dirty_refusals, m.n.crashes, m.n.intent_dropped);
   printf ("test-model: %s: engine: %" PRIu64 " blocks reclaimed, %" PRIu64
           " splits, %" PRIu64 " coalesced, %" PRIu64 " checkpoints, %" PRIu64
           " journal writes, %" PRIu64 " GC passes, %" PRIu64 " node "
@@ -917,6 +971,7 @@ model_run (const struct config *cfg)
     ck_assert_uint_gt (m.n.crashes, 0);
     if (cfg->dirty_blocks) {
       ck_assert_uint_gt (m.n.marked_clean, 0);
+      ck_assert_uint_gt (m.n.written_back, 0);
       ck_assert_uint_gt (m.n.undone, 0);
       ck_assert_uint_gt (m.n.dirty_refusals, 0);
     }
