@@ -27,9 +27,16 @@
  *   2. without locks: encode and checksum the captured keys, flush the
  *      device (data before the keys that point at it), write the
  *      buffers, flush (children before parents);
- *   3. write a journal entry carrying the new root and last_seq = the
- *      sealed entry + 1, and wait for it: from then on recovery starts
- *      from this tree and replays only newer entries;
+ *   3. write the sealed entry, if it is not yet, as any other (the old
+ *      root); then a journal entry carrying the new root and last_seq =
+ *      the sealed entry + 1, and wait for it: from then on recovery
+ *      starts from this tree and replays only newer entries.  The
+ *      commit is never the sealed entry itself: an entry must need
+ *      itself (last_seq <= seq, as the kernel requires), so that would
+ *      replay keys the snapshot holds, and replaying a dirty key over
+ *      the clean copy a writeback or a write's mark-clean put in the
+ *      tree since makes it dirty again (every clean close would leave
+ *      dirty data to write back at the next start);
  *   4. free the buckets of nodes that the committed root no longer
  *      reaches.
  * A node freed (split, relocated) is still reachable from the last
@@ -1486,7 +1493,9 @@ btree_checkpoint (struct bcf_cache *c)
   }
   ckpt_free (&ck);
 
-  /* Phase 3: commit. */
+  /* Phase 3: commit, in an entry after the sealed one (step 3 above). */
+  if (r == 0 && last_seq > 1)
+    r = journal_flush_sealed (c, last_seq - 1);
   if (r == 0) {
     pthread_mutex_lock (&c->journal.lock);
     c->committed_root = root;

@@ -375,6 +375,9 @@ int journal_flush_seq (struct bcf_cache *c, uint64_t seq);
 /* Write an entry with no keys carrying the committed root, uuid and prio
  * pointers, and wait for it (root / prio / uuid changes). */
 int journal_meta (struct bcf_cache *c);
+/* A checkpoint's sealed entry seq: make it durable (from the journal's
+ * reserve; the caller holds ckpt_lock) before the commit entry. */
+int journal_flush_sealed (struct bcf_cache *c, uint64_t seq);
 /* Close the open entry so that keys added from now on get a new seq;
  * returns the seq of the closed entry (checkpoint snapshot; caller holds
  * tree_lock for writing). */

@@ -192,8 +192,9 @@ slots_from (struct bcf_cache *c, unsigned bucket, uint64_t offset,
 
 /* Entries that commit metadata (checkpoints, prio writes) may use the
  * last JOURNAL_RESERVE slots; ordinary entries may not, so a checkpoint
- * can always commit and empty the ring. */
-#define JOURNAL_RESERVE 2
+ * can always commit and empty the ring: the prio write it may need, the
+ * entry it sealed, and its commit. */
+#define JOURNAL_RESERVE 3
 
 /* Where does an entry of len bytes go?  Moves to the next bucket if it
  * does not fit in this one.  -ENOSPC if there is no room (for ordinary
@@ -258,9 +259,10 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   js.seq = seq;
   js.version = BCACHE_JSET_VERSION;
   js.keys = (uint32_t) j->pending_words;
-  /* A checkpoint that sealed this very entry sets last_seq = seq + 1;
-   * an entry never claims to need nothing, itself included (replaying
-   * keys the tree already holds is harmless: see btree.c). */
+  /* An entry never claims to need nothing, itself included (the kernel
+   * needs last_seq <= seq).  A checkpoint writes the entry it sealed
+   * before its commit (journal_flush_sealed), so this never makes a
+   * recovery replay keys a committed snapshot holds. */
   js.last_seq = j->last_seq <= seq ? j->last_seq : seq;
   bkey_init (&js.uuid_bucket.key, 0, 0, 0);
   SET_KEY_PTRS (&js.uuid_bucket.key, 1);
@@ -362,6 +364,12 @@ int
 journal_flush_seq (struct bcf_cache *c, uint64_t seq)
 {
   return flush_seq (c, seq, false);
+}
+
+int
+journal_flush_sealed (struct bcf_cache *c, uint64_t seq)
+{
+  return flush_seq (c, seq, true);
 }
 
 int

@@ -358,6 +358,50 @@ START_TEST (test_invalidate_empty)
 }
 END_TEST
 
+/* A write's keys are dirty until its backing write is done, then marked
+ * clean (not journalled).  A clean close must keep them clean: the
+ * checkpoint that captures the clean copies commits in an entry after
+ * the one holding the dirty keys, so the next open does not replay them
+ * over their clean copies (which made every restart write the data back
+ * again, and refused a backing device: "the cache holds dirty data").
+ * Both with the dirty keys' entry still open at the close and after it
+ * was written. */
+START_TEST (test_clean_close_keeps_clean_marks)
+{
+  struct fixture f;
+  struct bcf_extent e[4];
+  unsigned n;
+  uint8_t *data = calloc (1, 65536);
+
+  fixture_init (&f, "marks.img", 16 << 20, 64 << 20, 256);
+  f.opts.write_intent_off = _i == 1;    /* the entry written at once */
+  fixture_open (&f);
+  for (int round = 0; round < 2; round++) {
+    struct bcf_write w;
+    uint64_t off = (uint64_t) round << 20;
+
+    memset (data, 0x40 + round, 65536);
+    ck_assert_int_eq (bcf_write_begin (f.c, off, 65536, data, &w), 0);
+    if (_i == 1)
+      ck_assert_int_eq (bcf_write_durable (f.c, &w), 0);
+    ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), 65536);
+    bcf_write_release (f.c, &w);
+    ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), 0);
+    fixture_close (&f);
+    fixture_open (&f);
+    ck_assert_msg (bcf_cache_dirty_bytes (f.c) == 0, "round %d: %" PRIu64
+                   " bytes dirty again after a clean close and open", round,
+                   bcf_cache_dirty_bytes (f.c));
+    ck_assert_int_eq (bcf_lookup (f.c, off, 65536, e, 4, &n), 0);
+    ck_assert_uint_eq (n, 1);
+    ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+    ck_assert (!e[0].dirty);
+  }
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The strict model phase: no eviction, so the cached map is exact.  With
  * node_cache_bytes small, clean leaves are dropped from memory at every
  * checkpoint and read back on use, and the map must not change.  20000
@@ -1259,6 +1303,11 @@ engine_suite (void)
   add (s, "miss_collision", test_miss_collision);
   add (s, "invalidate_after_failure", test_invalidate_after_failure);
   add (s, "invalidate_empty", test_invalidate_empty);
+  {
+    TCase *tc = tcase_create ("clean_close_keeps_clean_marks");
+    tcase_add_loop_test (tc, test_clean_close_keeps_clean_marks, 0, 2);
+    suite_add_tcase (s, tc);
+  }
   add (s, "miss_fill_many", test_miss_fill_many);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
