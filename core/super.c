@@ -263,11 +263,20 @@ write_super (struct bcf_cache *c)
 }
 
 /* Clear CACHE_SYNC on disk, so the next open runs first registration
- * (starts empty) instead of trusting keys.  See bcf_cache_abandon. */
+ * (starts empty) instead of trusting keys.  See bcf_cache_abandon.
+ * The set gets a new uuid too: every journal entry's magic derives from
+ * it, and first registration starts the journal at seq 1, so with the
+ * old uuid the old entries still in the journal buckets would be valid
+ * and newer, and the open after the first registration would take the
+ * newest of them for its root: the abandoned tree, older than the export.
+ * (A device made by make-bcache has a uuid no journal entry was written
+ * with; ours are new sets to the kernel too, which runs the same first
+ * registration.) */
 int
 super_abandon (struct bcf_cache *c)
 {
   c->sb.flags &= ~BCH_CACHE_SYNC;
+  random_bytes (c->sb.set_uuid, 16);
   return write_super (c);
 }
 

@@ -271,6 +271,46 @@ START_TEST (test_invalidate_after_failure)
 }
 END_TEST
 
+/* A cache given up (bcf_cache_abandon) starts empty at the next open
+ * (first registration), and stays empty at the one after: the old
+ * incarnation's journal entries, newer than the new one's first, must not
+ * be read as the newest (they would bring the old tree back: data older
+ * than the export).  Its set uuid changes, so their magic no longer
+ * matches, as a make-bcache device's never would. */
+START_TEST (test_abandon_then_reuse)
+{
+  struct fixture f;
+  struct bcf_extent e[4];
+  unsigned n;
+  uint8_t *data = calloc (1, 4096);
+  uint8_t set[16];
+
+  fixture_init (&f, "abandon.img", 16 << 20, 64 << 20, 256);
+  fixture_open (&f);
+  memcpy (set, bcf_cache_super (f.c)->set_uuid, 16);
+  /* Journal entries over several journal buckets (128 KiB each). */
+  for (unsigned i = 0; i < 120; i++)
+    ck_assert_int_eq (bcf_insert (f.c, (uint64_t) i * 65536, 4096, data,
+                                  false, true), 0);
+  ck_assert_int_eq (bcf_cache_abandon (f.c), 0);
+  fixture_close (&f);
+  for (int open = 0; open < 2; open++) {
+    fixture_open (&f);
+    for (unsigned i = 0; i < 120; i++) {
+      ck_assert_int_eq (bcf_lookup (f.c, (uint64_t) i * 65536, 4096, e, 4,
+                                    &n), 0);
+      ck_assert_msg (n == 1 && e[0].kind == BCF_EXTENT_MISS, "open %d: "
+                     "block %u of the abandoned cache is a hit", open, i);
+    }
+    ck_assert_msg (memcmp (bcf_cache_super (f.c)->set_uuid, set, 16) != 0,
+                   "open %d: an abandoned cache kept its set uuid", open);
+    fixture_close (&f);
+  }
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The cache-miss protocol: an invalidation between begin and fill makes
  * the fill collide, and nothing is cached. */
 START_TEST (test_miss_collision)
@@ -1302,6 +1342,7 @@ engine_suite (void)
   add (s, "make_bcache_interop", test_make_bcache_interop);
   add (s, "miss_collision", test_miss_collision);
   add (s, "invalidate_after_failure", test_invalidate_after_failure);
+  add (s, "abandon_then_reuse", test_abandon_then_reuse);
   add (s, "invalidate_empty", test_invalidate_empty);
   {
     TCase *tc = tcase_create ("clean_close_keeps_clean_marks");
