@@ -433,6 +433,17 @@ bch_btree_node_bytes (uint64_t bucket_sectors)
 }
 
 unsigned
+bch_default_bucket_sectors (uint64_t device_sectors, unsigned block_sectors)
+{
+  unsigned bucket = 1024, floor = block_sectors > BCH_PAGE_SECTORS
+                                  ? block_sectors : BCH_PAGE_SECTORS;
+
+  while (bucket > floor && device_sectors / bucket < BCH_KERNEL_MIN_NBUCKETS)
+    bucket /= 2;
+  return bucket;
+}
+
+unsigned
 bch_journal_buckets_for (uint64_t nbuckets)
 {
   uint64_t n = nbuckets >> 7;

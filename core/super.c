@@ -344,19 +344,36 @@ first_registration (struct bcf_cache *c, char *err, size_t errlen)
   return 0;
 }
 
+/* A cache of fewer buckets than opts.min_buckets is not made. */
+static int
+too_few_buckets (struct bcf_cache *c, const struct bch_sb *sb,
+                 const char *advice, char *err, size_t errlen)
+{
+  snprintf (err, errlen, "%s: a cache of %" PRIu64 " buckets of %" PRIu64
+            " KiB is too small for the Linux kernel, which registers none "
+            "with 512 buckets or fewer (at least %u are asked for); %s",
+            bcf_io_path (c->io), sb->nbuckets, bch_sb_bucket_sectors (sb) / 2,
+            c->opts.min_buckets, advice);
+  return -EINVAL;
+}
+
 /* Build a superblock for a blank device (make-bcache -C's defaults). */
 static int
 new_superblock (struct bcf_cache *c, char *err, size_t errlen)
 {
   uint64_t dev_bytes = bcf_io_size (c->io);
-  unsigned bucket = c->opts.bucket_sectors ? c->opts.bucket_sectors : 1024;
   unsigned block = c->opts.block_sectors ? c->opts.block_sectors
                    : bcf_io_block_size (c->io) >> BCH_SECTOR_SHIFT;
+  unsigned bucket;
   struct bch_sb *sb = &c->sb;
   struct bch_diag d;
 
   if (block == 0)
     block = 1;
+  /* The default shrinks on small devices, so that the kernel can
+   * register the cache (BCH_KERNEL_MIN_NBUCKETS). */
+  bucket = c->opts.bucket_sectors ? c->opts.bucket_sectors
+           : bch_default_bucket_sectors (dev_bytes >> BCH_SECTOR_SHIFT, block);
   memset (sb, 0, sizeof *sb);
   sb->offset = BCH_SB_SECTOR;
   sb->version = BCACHE_SB_VERSION_CDEV;
@@ -381,12 +398,21 @@ new_superblock (struct bcf_cache *c, char *err, size_t errlen)
               : "");
     return -EINVAL;
   }
+  if (sb->nbuckets < c->opts.min_buckets)
+    return too_few_buckets (c, sb, c->opts.bucket_sectors
+                            ? "give a larger device or smaller buckets"
+                            : "give a larger device", err, errlen);
   if (block << BCH_SECTOR_SHIFT < bcf_io_block_size (c->io)) {
     snprintf (err, errlen, "block size %u bytes is smaller than the "
               "device's logical block size %u", block << BCH_SECTOR_SHIFT,
               bcf_io_block_size (c->io));
     return -EINVAL;
   }
+  if (!c->opts.bucket_sectors && bucket < 1024)
+    bcf_log (c, BCF_LOG_WARN, "%s: %" PRIu64 " bytes: formatting with "
+             "buckets of %u KiB instead of the default 512 KiB, so that the "
+             "cache has more than 512 buckets (the Linux kernel registers no "
+             "cache with fewer)", bcf_io_path (c->io), dev_bytes, bucket / 2);
   set_geometry (c);
   return 0;
 }
@@ -621,6 +647,10 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
                 "registered; allow formatting to initialise it", path);
       return -ENODEV;
     }
+    if (c->sb.nbuckets < c->opts.min_buckets)
+      return too_few_buckets (c, &c->sb, "make it again with smaller "
+                              "buckets (make-bcache -b), or format it anew",
+                              err, errlen);
     return first_registration (c, err, errlen);
   }
   r = open_existing (c, &foreign, err, errlen);

@@ -379,22 +379,29 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
 
 /* ---- .get_ready: probe the cache device before forking ---------------------------- */
 
-#define MIN_BUCKETS 128
-
-/* Can a cache of size bytes be formatted with the configured geometry?
- * (bcache needs at least 128 buckets.) */
+/* Can a cache of size bytes be formatted with the configured geometry,
+ * so that the Linux kernel could register it (more than 512 buckets,
+ * BCH_KERNEL_MIN_NBUCKETS)?  Without bcache-bucket-size the engine
+ * picks smaller buckets for a small cache (bch_default_bucket_sectors),
+ * with a warning. */
 static int
 check_format_size (uint64_t size, const char *what)
 {
-  uint64_t bucket = cfg.bucket_size ? (uint64_t) cfg.bucket_size : 512 * 1024;
+  uint64_t bucket = cfg.bucket_size ? (uint64_t) cfg.bucket_size
+    : (uint64_t) bch_default_bucket_sectors (size >> BCH_SECTOR_SHIFT,
+                                             (unsigned) (cfg.block_size >> 9))
+      << BCH_SECTOR_SHIFT;
+  uint64_t need = BCH_KERNEL_MIN_NBUCKETS * bucket;
 
-  if (size / bucket >= MIN_BUCKETS)
+  if (size / bucket >= BCH_KERNEL_MIN_NBUCKETS)
     return 0;
   nbdkit_error ("%s (%" PRIu64 " bytes) is too small for a cache: it needs "
-                "at least %d buckets of %" PRIu64 " KiB, that is %" PRIu64
-                " MiB; give a larger size, or a smaller bcache-bucket-size",
-                what, size, MIN_BUCKETS, bucket >> 10,
-                MIN_BUCKETS * bucket >> 20);
+                "more than 512 buckets (the Linux kernel registers no "
+                "smaller cache), and %" PRIu64 " buckets of %" PRIu64
+                " KiB take %" PRIu64 " bytes%s", what, size,
+                (uint64_t) BCH_KERNEL_MIN_NBUCKETS, bucket >> 10, need,
+                cfg.bucket_size ? "; give a larger size, or a smaller "
+                "bcache-bucket-size" : "; give a larger size");
   return -1;
 }
 
@@ -520,6 +527,15 @@ probe_cache_device (void)
         nbdkit_error ("bcache=%s was made by make-bcache but never "
                       "registered, and bcache-format=never forbids "
                       "initialising it", cfg.path);
+        return -1;
+      }
+      if (sb.nbuckets < BCH_KERNEL_MIN_NBUCKETS) {
+        nbdkit_error ("bcache=%s was made by make-bcache with %" PRIu64
+                      " buckets, but the Linux kernel registers no cache "
+                      "with 512 buckets or fewer; make it again with "
+                      "smaller buckets (make-bcache -b), or give "
+                      "bcache-format=force to format it with more",
+                      cfg.path, sb.nbuckets);
         return -1;
       }
       return 0;
@@ -775,6 +791,7 @@ filter_after_fork (nbdkit_backend *backend)
   o.format = cfg.format;
   o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
+  o.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
   o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &open_bk };
   memcpy (o.backing_uuid, cfg.uuid, 16);
   /* The label is informational and truncated to its 32 bytes. */

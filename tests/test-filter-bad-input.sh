@@ -319,7 +319,7 @@ start_remote_named erem --filter=error memory 32M error=EIO \
     error-extents-rate=10% error-file="$trigger"
 I=("$PYTHON" "$filterdir/integrity.py" --shadow "$d/eshadow"
    --uncertain "$d/euncertain" --threads 4)
-start_proxy p remote="$erem_sock" bcache="$d/errcache" bcache-size=64M \
+start_proxy p remote="$erem_sock" bcache="$d/errcache" bcache-size=128M \
     bcache-bucket-size=128K
 timeout 120 "${I[@]}" --sock "$p_sock" --init --seed "$seed" --ops 100 ||
     fail "the workload without errors failed (seed $seed)"

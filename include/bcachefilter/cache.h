@@ -65,6 +65,12 @@ struct bcf_cache_opts {
   unsigned bucket_sectors;        /* for formatting; 0 = 1024 (512 KiB) */
   unsigned block_sectors;         /* for formatting; 0 = device's */
   unsigned replacement;           /* enum bch_replacement, for formatting */
+  /* Refuse to format a cache of fewer buckets than this, or to initialise
+   * a make-bcache device of fewer into one: BCH_KERNEL_MIN_NBUCKETS asks
+   * for a cache the Linux kernel can register.  0: bcache's own minimum,
+   * 128 (tests use small caches).  Existing caches open whatever their
+   * size. */
+  unsigned min_buckets;
 
   struct bcf_backing backing;
   /* Identity of the backing export, recorded in the uuid entry.  A cache

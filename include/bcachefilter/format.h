@@ -291,6 +291,24 @@ uint64_t bch_btree_node_bytes (uint64_t bucket_sectors);
  * clamp(nbuckets >> 7, 2, 256). */
 unsigned bch_journal_buckets_for (uint64_t nbuckets);
 
+/* The fewest buckets a cache may have for the Linux kernel to register
+ * it.  The superblock rule is 128 (bch_sb_validate), but the kernel's
+ * cache_alloc sizes its free lists as roundup_pow_of_two (nbuckets) >>
+ * 10 and refuses a cache where that is 0 ("ca->sb.nbuckets is too
+ * small"): it needs more than 512 buckets.  What bcachefilter formats
+ * has at least this many (bcachefilter-format, the filter's bcache-size=
+ * and format path); the engine itself still opens caches of 128 and up,
+ * as made-elsewhere caches (make-bcache) may be that small. */
+#define BCH_KERNEL_MIN_NBUCKETS 513u
+
+/* The bucket size to format a device of device_sectors with when none is
+ * asked for: 1024 sectors (512 KiB, make-bcache's default), halved while
+ * that leaves BCH_KERNEL_MIN_NBUCKETS buckets or fewer, but never below
+ * BCH_PAGE_SECTORS or block_sectors.  (The result may still be too small
+ * for a tiny device: the caller checks the bucket count.) */
+unsigned bch_default_bucket_sectors (uint64_t device_sectors,
+                                     unsigned block_sectors);
+
 /* ------------------------------------------------------------------------
  * bkey
  *

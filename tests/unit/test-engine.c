@@ -42,9 +42,14 @@ static char tmpdir[256];
 
 #define BLOCK 4096u
 
+/* Warnings that a format used smaller buckets than the default. */
+static atomic_uint smaller_bucket_warnings;
+
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
 {
+  if (level == BCF_LOG_WARN && strstr (msg, "instead of the default"))
+    atomic_fetch_add (&smaller_bucket_warnings, 1);
   if (level >= BCF_LOG_WARN || getenv ("TEST_VERBOSE"))
     fprintf (stderr, "engine: %s\n", msg);
 }
@@ -1230,6 +1235,71 @@ START_TEST (test_miss_fill_many)
 }
 END_TEST
 
+/* ---- geometry (issue 16 C) ------------------------------------------------------ */
+
+/* Without a bucket size, a small device gets buckets small enough for
+ * the kernel to register it (more than 512), with a warning; a large one
+ * gets 512 KiB.  With min_buckets = BCH_KERNEL_MIN_NBUCKETS an explicit
+ * geometry that gives fewer is refused, and so is a make-bcache device
+ * that has fewer; nothing is written. */
+START_TEST (test_kernel_min_buckets)
+{
+  struct fixture f;
+  struct bcf_cache_stats st;
+  char err[512] = "";
+  bool blank;
+
+  atomic_store (&smaller_bucket_warnings, 0);
+  fixture_init (&f, "small.img", 16 << 20, 64 << 20, 0);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.bucket_bytes, 64 << 10);
+  ck_assert_uint_eq (st.nbuckets, 1024);
+  ck_assert_uint_eq (atomic_load (&smaller_bucket_warnings), 1);
+  fixture_free (&f);
+
+  fixture_init (&f, "large.img", 16 << 20, 513 << 19, 0);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.bucket_bytes, 512 << 10);
+  ck_assert_uint_eq (st.nbuckets, 513);
+  ck_assert_uint_eq (atomic_load (&smaller_bucket_warnings), 1);
+  fixture_free (&f);
+
+  /* 32 MiB of 128 KiB buckets: 256. */
+  fixture_init (&f, "refused.img", 16 << 20, 32 << 20, 256);
+  f.opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -EINVAL);
+  f.c = NULL;
+  ck_assert_ptr_nonnull (strstr (err, "256 buckets of 128 KiB"));
+  ck_assert_ptr_nonnull (strstr (err, "registers none with 512 buckets or "
+                                 "fewer"));
+  ck_assert_int_eq (bcf_device_blank (f.path, &blank, err, sizeof err), 0);
+  ck_assert (blank);
+  f.opts.bucket_sectors = 64;           /* 1024 of 32 KiB: fine */
+  fixture_open (&f);
+  fixture_free (&f);
+
+  if (strcmp (MAKE_BCACHE, "no") != 0) {
+    char cmd[512];
+    fixture_init (&f, "mbsmall.img", 16 << 20, 64 << 20, 0);
+    int fd = open (f.path, O_RDWR | O_CREAT, 0600);
+    ck_assert_int_ge (fd, 0);
+    ck_assert_int_eq (ftruncate (fd, 64 << 20), 0);
+    close (fd);
+    snprintf (cmd, sizeof cmd, "%s -C -b 256k %s >/dev/null", MAKE_BCACHE,
+              f.path);
+    ck_assert_int_eq (system (cmd), 0);
+    f.opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
+    ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err),
+                      -EINVAL);
+    f.c = NULL;
+    ck_assert_ptr_nonnull (strstr (err, "make-bcache -b"));
+    fixture_free (&f);
+  }
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -1260,6 +1330,7 @@ engine_suite (void)
   add (s, "invalidate_after_failure", test_invalidate_after_failure);
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "miss_fill_many", test_miss_fill_many);
+  add (s, "kernel_min_buckets", test_kernel_min_buckets);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);

@@ -24,6 +24,8 @@
  *    decoded and re-encoded byte for byte, every decode rule alone, the
  *    attach/dirty/detach rewrite (bch_bdev_sb_set_state), and, with
  *    bcache-tools, bcache-super-show's view of what we rewrote.
+ *  - The default bucket size keeps more than 512 buckets (the kernel's
+ *    minimum) where it can.
  *  - Randomised round trips; the seed comes from $TEST_SEED or the clock
  *    and is printed first so a failure can be reproduced.
  *
@@ -681,6 +683,36 @@ START_TEST (test_geometry_helpers)
   sb.bucket_size = 0;
   sb.obso_bucket_size_hi = 2;
   ck_assert_uint_eq (bch_sb_bucket_sectors (&sb), 2ull << 16);
+}
+END_TEST
+
+/* The default bucket size keeps more than 512 buckets (the kernel's
+ * cache_alloc minimum) where it can. */
+START_TEST (test_default_bucket)
+{
+  ck_assert_uint_eq (BCH_KERNEL_MIN_NBUCKETS, 513);
+  /* Large enough: 512 KiB. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (513 * 1024, 1), 1024);
+  ck_assert_uint_eq (bch_default_bucket_sectors (1ull << 40, 8), 1024);
+  /* 256 MiB is 512 buckets of 512 KiB: too few, so 256 KiB. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (256 * 2048, 1), 512);
+  ck_assert_uint_eq (bch_default_bucket_sectors (513 * 512, 1), 512);
+  /* 64 MiB: 64 KiB buckets (1024 of them). */
+  ck_assert_uint_eq (bch_default_bucket_sectors (64 * 2048, 8), 128);
+  /* Never below 4 KiB, nor below the block size. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (2048, 1), 8);
+  ck_assert_uint_eq (bch_default_bucket_sectors (0, 1), 8);
+  ck_assert_uint_eq (bch_default_bucket_sectors (2048, 64), 64);
+  /* The result gives more than 512 buckets exactly when some bucket of
+   * at least the floor does. */
+  for (uint64_t sectors = 4096; sectors < (1u << 22); sectors = sectors * 3 / 2) {
+    unsigned b = bch_default_bucket_sectors (sectors, 1);
+    ck_assert (b >= 8 && b <= 1024 && (b & (b - 1)) == 0);
+    if (b < 1024)
+      ck_assert_uint_lt (sectors / (2 * b), BCH_KERNEL_MIN_NBUCKETS);
+    if (b > 8)
+      ck_assert_uint_ge (sectors / b, BCH_KERNEL_MIN_NBUCKETS);
+  }
 }
 END_TEST
 
@@ -3229,6 +3261,7 @@ format_suite (void)
   tcase_add_test (t, test_uuid_parse_unparse);
   tcase_add_test (t, test_magics_doc_example);
   tcase_add_test (t, test_geometry_helpers);
+  tcase_add_test (t, test_default_bucket);
   suite_add_tcase (s, t);
 
   t = tc ("superblock");
