@@ -1300,6 +1300,201 @@ START_TEST (test_kernel_min_buckets)
 }
 END_TEST
 
+/* ---- interior nodes as the kernel reads them ------------------------------------ */
+
+/* A tree with interior nodes: 8 KiB buckets (8 KiB nodes, two 4 KiB
+ * blocks of log), thousands of small extents, a checkpoint every few
+ * hundred (splits, relocations); after each, each_round (if not NULL). */
+static void
+fill_deep_tree (struct fixture *f, unsigned rounds,
+                void (*each_round) (struct fixture *f))
+{
+  uint8_t data[4096];
+
+  fixture_init (f, "deep.img", 64 << 20, 32 << 20, 16);
+  fixture_open (f);
+  rng_state = seed + 11;
+  for (unsigned r = 0; r < rounds; r++) {
+    for (unsigned i = 0; i < 300; i++) {
+      uint64_t off = rnd_below ((64 << 20) / 8192) * 8192;
+      fill (data, sizeof data);
+      ck_assert_int_eq (bcf_insert (f->c, off, sizeof data, data, false,
+                                    false), 0);
+    }
+    ck_assert_int_eq (bcf_cache_checkpoint (f->c), 0);
+    if (each_round)
+      each_round (f);
+  }
+}
+
+struct pos_list { uint64_t pos[4096]; size_t n; bool dup; };
+
+static int
+collect_positions (const struct bch_node_bset *set, void *opaque)
+{
+  struct pos_list *l = opaque;
+  const uint8_t *p = (const uint8_t *) set->keys;
+
+  for (size_t w = 0; w < set->hdr.keys; ) {
+    struct bkey_padded b;
+    uint64_t pos;
+
+    ck_assert_int_eq (bkey_decode (p + 8 * w, (set->hdr.keys - w) * 8, &b,
+                                   NULL), BCH_OK);
+    w += bkey_u64s (&b.key);
+    pos = (KEY_INODE (&b.key) << 44) ^ KEY_OFFSET (&b.key);
+    for (size_t i = 0; i < l->n; i++)
+      if (l->pos[i] == pos)
+        l->dup = true;
+    ck_assert_uint_lt (l->n, 4096);
+    l->pos[l->n++] = pos;
+  }
+  return 0;
+}
+
+struct interior_check { struct fixture *f; unsigned nodes, bsets; };
+static struct interior_check interior_seen;
+
+/* No interior node on disk holds two keys at one position (in any of its
+ * bsets): the kernel would take both for children. */
+static int
+check_interior_on_disk (struct bcf_cache *c, struct btree_node *n,
+                        void *opaque)
+{
+  struct interior_check *ic = opaque;
+  struct pos_list *l;
+  uint8_t *buf;
+  unsigned nsets;
+  size_t written;
+  struct bch_diag d;
+  int fd;
+
+  if (n->level == 0)
+    return 0;
+  ic->nodes++;
+  l = calloc (1, sizeof *l);
+  buf = malloc (c->tree.node_bytes);
+  fd = open (ic->f->path, O_RDONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pread (fd, buf, c->tree.node_bytes,
+                           (off_t) (bucket_of_ptr (c, n->key.ptr) *
+                                    c->bucket_bytes)),
+                    (ssize_t) c->tree.node_bytes);
+  close (fd);
+  ck_assert_int_eq (bch_node_walk (buf, c->tree.node_bytes, c->block_bytes,
+                                   bch_bset_magic (&c->sb), n->key.ptr,
+                                   n->level, NULL, collect_positions, l,
+                                   &nsets, &written, &d), BCH_OK);
+  ic->bsets += nsets;
+  ck_assert_msg (!l->dup, "interior node in bucket %" PRIu64 " holds two "
+                 "keys at one position on disk (%u bsets)",
+                 bucket_of_ptr (c, n->key.ptr), nsets);
+  free (buf);
+  free (l);
+  return 0;
+}
+
+static void
+check_interior_after_round (struct fixture *f)
+{
+  interior_seen.f = f;
+  btree_visit (f->c, check_interior_on_disk, &interior_seen);
+}
+
+/* Interior nodes are written whole, never as appended bsets: after every
+ * checkpoint (splits, relocations) none holds a superseded child
+ * pointer on disk. */
+START_TEST (test_interior_nodes_written_whole)
+{
+  struct fixture f;
+
+  memset (&interior_seen, 0, sizeof interior_seen);
+  fill_deep_tree (&f, 12, check_interior_after_round);
+  ck_assert_uint_ge (f.c->tree.root->level, 1);
+  ck_assert_uint_ge (f.c->tree.root->keys.nr, 8);
+  ck_assert_uint_ge (interior_seen.nodes, 12);
+  fixture_close (&f);
+  fixture_free (&f);
+}
+END_TEST
+
+/* Keys bcache writes into interior nodes that are not children: a
+ * freeing key at (0, 0), and a second, older key at the position of the
+ * one before it in the same bset (the kernel sorts the newest first).
+ * Appended to the root's log, they must change nothing. */
+START_TEST (test_kernel_interior_keys)
+{
+  struct fixture f;
+  struct btree_node *root;
+  struct bcf_extent e[2];
+  struct bkey_padded keys[3];
+  uint8_t data[4096], *bset;
+  uint64_t bogus, root_at, root_written, root_seq, root_ptr, magic;
+  size_t bsz, words = 0;
+  unsigned n, block;
+  int fd;
+
+  fill_deep_tree (&f, 4, NULL);
+  rng_state = seed + 12;
+  fill (data, sizeof data);
+  ck_assert_int_eq (bcf_insert (f.c, 0, sizeof data, data, false, true), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  /* A pointer that is not a node: the bucket of the data at 0. */
+  ck_assert_int_eq (bcf_lookup (f.c, 0, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  bogus = e[0].ptr;
+  root = f.c->tree.root;
+  ck_assert_uint_ge (root->level, 1);
+  ck_assert_uint_ge (root->keys.nr, 2);
+  root_ptr = root->key.ptr;
+  root_at = bucket_of_ptr (f.c, root_ptr) * f.c->bucket_bytes;
+  root_written = root->written;
+  root_seq = root->seq;
+  magic = bch_bset_magic (&f.c->sb);
+  block = f.c->block_bytes;
+  /* The kernel's freeing key for the data bucket (gen + 1), then the
+   * root's last key twice: the real child, and after it the bogus one. */
+  bkey_init (&keys[0].key, 0, 0, f.c->bucket_sectors);
+  SET_KEY_PTRS (&keys[0].key, 1);
+  keys[0].key.ptr[0] = MAKE_PTR ((uint8_t) (PTR_GEN (bogus) + 1),
+                                 PTR_OFFSET (bogus), 0);
+  memcpy (&keys[1], ckey_bkey (&root->keys.k[root->keys.nr - 1]),
+          sizeof keys[1]);
+  memcpy (&keys[2], &keys[1], sizeof keys[2]);
+  keys[2].key.ptr[0] = MAKE_PTR (PTR_GEN (bogus), PTR_OFFSET (bogus) /
+                                 f.c->bucket_sectors * f.c->bucket_sectors,
+                                 0);
+  fixture_close (&f);
+
+  bsz = block;
+  bset = calloc (1, bsz);
+  for (unsigned i = 0; i < 3; i++)
+    words += bkey_encode (&keys[i].key, bset + BCH_BSET_HEADER_SIZE + 8 * words,
+                          bsz - BCH_BSET_HEADER_SIZE - 8 * words) / 8;
+  ck_assert (bch_bset_seal (bset, bsz, magic, root_seq, (uint32_t) words,
+                            root_ptr) != 0);
+  fd = open (f.path, O_WRONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pwrite (fd, bset, bsz, (off_t) (root_at + root_written)),
+                    (ssize_t) bsz);
+  close (fd);
+  free (bset);
+
+  /* Reopened: the same children, the data still there. */
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_lookup (f.c, 0, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  {
+    uint8_t back[4096];
+    ck_assert_int_eq (bcf_read_hit (f.c, &e[0], back), 0);
+    ck_assert_mem_eq (back, data, sizeof data);
+  }
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  fixture_free (&f);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -1331,6 +1526,8 @@ engine_suite (void)
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "miss_fill_many", test_miss_fill_many);
   add (s, "kernel_min_buckets", test_kernel_min_buckets);
+  add (s, "interior_nodes_written_whole", test_interior_nodes_written_whole);
+  add (s, "kernel_interior_keys", test_kernel_interior_keys);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);
