@@ -23,11 +23,14 @@
  * during format just formats again.  (A forced format of a live cache
  * first zeroes its superblock for the same reason.)
  *
- * Identity: the uuid entry in slot 0 names the export the cache belongs
- * to.  Opening against another export (different uuid, or a different
- * size: a resized export would make cached offsets lie) is refused unless
- * discard_foreign is set, and even then not while the cache holds dirty
- * data — that data exists nowhere else.
+ * Identity: the uuid entry in slot 0 names the (plain) export the cache
+ * belongs to.  Opening against another export (different uuid, or a
+ * different size: a resized export would make cached offsets lie) is
+ * refused unless discard_foreign is set, and even then not while the
+ * cache holds dirty data — that data exists nowhere else.  An entry with
+ * size 0 records no size (the kernel's entries for backing devices): only
+ * its uuid is compared.  The whole uuid array is kept and rewritten, so
+ * slots of other devices (a cache the kernel used) survive.
  *
  * Open runs: journal_read -> prio chain (gens) -> uuid bucket -> btree
  * load -> journal replay -> initial mark (metadata buckets by layout, data
@@ -165,6 +168,19 @@ super_abandon (struct bcf_cache *c)
 
 /* ---- uuids ------------------------------------------------------------------ */
 
+/* The uuid array: one bucket of 128-byte entries (bcache.md §1.8), kept
+ * whole in memory so that a rewrite keeps every slot, ours or not (a
+ * cache the kernel used may hold several backing devices). */
+static int
+uuids_alloc (struct bcf_cache *c)
+{
+  free (c->uuids);
+  c->nr_uuids = (unsigned) bch_uuids_per_bucket (c->bucket_bytes);
+  c->uuids = calloc (c->nr_uuids, sizeof *c->uuids);
+  return c->uuids ? 0 : -ENOMEM;
+}
+
+/* Slot 0 for a plain export: its uuid, label and size in sectors. */
 static void
 our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
 {
@@ -175,10 +191,10 @@ our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
   u->sectors = c->backing_sectors;
 }
 
-/* Write the uuid array (slot 0 = u, the rest empty) to a new bucket and
- * release the old one once a journal entry points at the new one. */
+/* Write the uuid array to a new bucket and release the old one once a
+ * journal entry points at the new one. */
 static int
-uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
+uuid_write (struct bcf_cache *c)
 {
   uint64_t nb, old = c->uuid_bucket;
   bool had_old = c->sb.flags & BCH_CACHE_SYNC;
@@ -191,7 +207,8 @@ uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
   if (!buf)
     return -ENOMEM;
   memset (buf, 0, c->bucket_bytes);
-  bch_uuid_entry_encode (u, buf);
+  for (unsigned i = 0; i < c->nr_uuids; i++)
+    bch_uuid_entry_encode (&c->uuids[i], buf + (size_t) i * BCH_UUID_ENTRY_SIZE);
   r = bcf_io_pwrite (c->io, buf, c->bucket_bytes, nb * c->bucket_bytes);
   bcf_buf_free (buf, c->bucket_bytes);
   /* Durable before it is published: every journal entry names it, and
@@ -208,8 +225,8 @@ uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
 }
 
 static int
-uuid_read (struct bcf_cache *c, const struct bkey *k,
-           struct bch_uuid_entry *u, char *err, size_t errlen)
+uuid_read (struct bcf_cache *c, const struct bkey *k, char *err,
+           size_t errlen)
 {
   uint64_t b;
   uint8_t *buf;
@@ -221,12 +238,16 @@ uuid_read (struct bcf_cache *c, const struct bkey *k,
     snprintf (err, errlen, "the journal's uuid bucket pointer is invalid");
     return -EUCLEAN;
   }
+  if ((r = uuids_alloc (c)) < 0)
+    return r;
   buf = bcf_buf_alloc (c->bucket_bytes);
   if (!buf)
     return -ENOMEM;
   r = bcf_io_pread (c->io, buf, c->bucket_bytes, b * c->bucket_bytes);
   if (r == 0)
-    bch_uuid_entry_decode (buf, u);
+    for (unsigned i = 0; i < c->nr_uuids; i++)
+      bch_uuid_entry_decode (buf + (size_t) i * BCH_UUID_ENTRY_SIZE,
+                             &c->uuids[i]);
   else
     snprintf (err, errlen, "reading the uuid bucket: %s", strerror (-r));
   bcf_buf_free (buf, c->bucket_bytes);
@@ -297,7 +318,6 @@ journal_buckets_for (const struct bcf_cache *c)
 static int
 first_registration (struct bcf_cache *c, char *err, size_t errlen)
 {
-  struct bch_uuid_entry u;
   int r;
 
   bcf_log (c, BCF_LOG_INFO, "%s: first registration of a new cache "
@@ -322,9 +342,12 @@ first_registration (struct bcf_cache *c, char *err, size_t errlen)
   mark_layout (c);
   alloc_fill_from_unused (c);
 
-  our_uuid_entry (c, &u);
+  if ((r = uuids_alloc (c)) < 0)
+    return r;
+  our_uuid_entry (c, &c->uuids[0]);
+  c->owner = c->uuids[c->inode];
   if ((r = alloc_prio_write (c)) < 0 ||
-      (r = uuid_write (c, &u)) < 0 ||
+      (r = uuid_write (c)) < 0 ||
       (r = btree_new_root (c)) < 0 ||
       (r = btree_checkpoint (c)) < 0) {
     snprintf (err, errlen, "formatting %s: %s", bcf_io_path (c->io),
@@ -431,13 +454,62 @@ replay_one (struct bcf_cache *c, const struct ckey *k, uint64_t seq,
   return r;
 }
 
+/* Is slot 0 this plain export's?  An empty slot 0 (a cache never
+ * attached to an export) is claimed by the caller.  A size of 0 in the
+ * entry is "not recorded" (the kernel leaves it 0 for backing devices):
+ * then the uuid alone decides.  Another export, or this one with another
+ * size (a resized export: cached data may not be where the export's is
+ * now), is refused unless discard_foreign is set and the cache holds no
+ * dirty data, which sets *foreign. */
+static int
+plain_identity (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
+{
+  const struct bch_uuid_entry *u = &c->uuids[0];
+  const bool other = memcmp (u->uuid, c->opts.backing_uuid, 16) != 0;
+  const bool resized = !other && u->sectors &&
+                       u->sectors != c->backing_sectors;
+  const uint64_t bytes = c->backing_sectors << BCH_SECTOR_SHIFT;
+  const char *path = bcf_io_path (c->io);
+  char have[37], want[37], size[64] = ", size not recorded";
+  const char *tail;
+  uint64_t dirty;
+
+  if (bch_uuid_is_zero (u->uuid) || (!other && !resized))
+    return 0;
+  dirty = btree_dirty_sectors (c);
+  if (c->opts.discard_foreign && !dirty) {
+    *foreign = true;
+    return 0;
+  }
+  bch_uuid_unparse (u->uuid, have);
+  bch_uuid_unparse (c->opts.backing_uuid, want);
+  tail = dirty ? "; it holds dirty data that exists nowhere else, so it is "
+         "never discarded: attach it to its own export first"
+         : "; to discard its contents and reuse it for this export, ask for "
+         "that explicitly";
+  if (u->sectors)
+    snprintf (size, sizeof size, ", %" PRIu64 " bytes",
+              u->sectors << BCH_SECTOR_SHIFT);
+  if (other) {
+    snprintf (err, errlen, "%s caches another export (uuid %s%s), not this "
+              "one (uuid %s, %" PRIu64 " bytes)%s", path, have, size, want,
+              bytes, tail);
+    return -EEXIST;
+  }
+  snprintf (err, errlen, "%s caches this export (uuid %s) as it was with %"
+            PRIu64 " bytes, but it has %" PRIu64 " bytes now: after a "
+            "resize, cached data may not be where the export's is%s", path,
+            have, u->sectors << BCH_SECTOR_SHIFT, bytes, tail);
+  return -ESTALE;
+}
+
 static int
 open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 {
   struct journal_replay jr;
-  struct bch_uuid_entry u;
   struct ckey root;
   uint64_t nkeys;
+  bool write_uuids = false;
   int r;
 
   *foreign = false;
@@ -453,9 +525,9 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
               r == -EUCLEAN ? "corrupt" : strerror (-r));
     return r;
   }
-  if ((r = uuid_read (c, &jr.uuid_bucket.key, &u, err, errlen)) < 0)
+  if ((r = uuid_read (c, &jr.uuid_bucket.key, err, errlen)) < 0)
     return r;
-  c->owner = u;
+  c->owner = c->uuids[0];
   if (!ckey_from_bkey (&jr.root.key, &root) || !ckey_has_ptr (&root) ||
       bucket_of_ptr (c, root.ptr) >= c->sb.nbuckets ||
       jr.root_level > 16) {
@@ -483,30 +555,13 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
 
   /* Whose cache is it? */
-  /* (An empty slot 0: a cache never attached to an export; it is
-   * claimed below.) */
-  if (!bch_uuid_is_zero (u.uuid) &&
-      (memcmp (u.uuid, c->opts.backing_uuid, 16) != 0 ||
-       u.sectors != c->backing_sectors)) {
-    char have[37], want[37];
-    uint64_t dirty = btree_dirty_sectors (c);
-
-    bch_uuid_unparse (u.uuid, have);
-    bch_uuid_unparse (c->opts.backing_uuid, want);
-    if (!c->opts.discard_foreign || dirty) {
-      snprintf (err, errlen, "%s caches another export (uuid %s, %" PRIu64
-                " bytes), not this one (uuid %s, %" PRIu64 " bytes)%s",
-                bcf_io_path (c->io), have, u.sectors << BCH_SECTOR_SHIFT,
-                want, c->backing_sectors << BCH_SECTOR_SHIFT,
-                dirty ? "; it holds dirty data that exists nowhere "
-                "else, so it is never discarded: attach it to its own "
-                "export first" : "; to discard its contents and reuse it "
-                "for this export, ask for that explicitly");
-      return -EEXIST;
-    }
-    *foreign = true;
-    return 0;
+  if ((r = plain_identity (c, foreign, err, errlen)) < 0 || *foreign)
+    return r;
+  if (bch_uuid_is_zero (c->uuids[0].uuid)) {
+    our_uuid_entry (c, &c->uuids[0]);
+    write_uuids = true;
   }
+  c->owner = c->uuids[c->inode];
 
   /* The initial mark, free lists, gens on disk, replayed keys in the
    * tree on disk. */
@@ -517,8 +572,7 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
   alloc_fill_from_unused (c);
   if ((r = alloc_prio_write (c)) < 0 ||
-      (bch_uuid_is_zero (u.uuid) &&
-       (our_uuid_entry (c, &u), (r = uuid_write (c, &u)) < 0)) ||
+      (write_uuids && (r = uuid_write (c)) < 0) ||
       (r = btree_checkpoint (c)) < 0) {
     snprintf (err, errlen, "opening %s: writing metadata: %s",
               bcf_io_path (c->io), strerror (-r));
@@ -531,6 +585,10 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 static void
 drop_state (struct bcf_cache *c)
 {
+  free (c->uuids);
+  c->uuids = NULL;
+  c->nr_uuids = 0;
+  c->inode = 0;
   btree_free (c);
   journal_free (c);
   alloc_free (c);

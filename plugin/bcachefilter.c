@@ -430,7 +430,11 @@ probe_existing_cache (void)
     return -1;
   }
   r = 0;
-  if (bcf_cache_owner (c, uuid, &bytes) && memcmp (uuid, cfg.uuid, 16) != 0) {
+  /* An entry that records no size is a bcache backing device's (the
+   * kernel's): it is compared with the export once it is known, in
+   * .after_fork (where a size change is found too). */
+  if (bcf_cache_owner (c, uuid, &bytes) && bytes != 0 &&
+      memcmp (uuid, cfg.uuid, 16) != 0) {
     bch_uuid_unparse (uuid, have);
     bch_uuid_unparse (cfg.uuid, want);
     nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
@@ -809,10 +813,14 @@ filter_after_fork (nbdkit_backend *backend)
   r = bcf_cache_open (&o, &cache, err, sizeof err);
   if (r < 0) {
     nbdkit_error ("bcachefilter: %s", err);
-    if (r == -EEXIST || strstr (err, "another export"))
+    if (r == -EEXIST)
       nbdkit_error ("bcachefilter: this cache belongs to another export; "
                     "give the right bcache-backing-uuid=, or "
                     "bcache-format=force to start an empty cache here");
+    else if (r == -ESTALE)
+      nbdkit_error ("bcachefilter: the export was resized since this cache "
+                    "was filled; bcache-format=force starts an empty cache "
+                    "for it");
     return -1;
   }
   ro.mode = cfg.mode;

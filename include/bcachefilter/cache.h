@@ -73,9 +73,12 @@ struct bcf_cache_opts {
   unsigned min_buckets;
 
   struct bcf_backing backing;
-  /* Identity of the backing export, recorded in the uuid entry.  A cache
-   * holding another export (uuid or size) is refused unless
-   * discard_foreign is set and it holds no dirty data. */
+  /* Identity of the backing export, recorded in the uuid entry (slot 0)
+   * with its size.  A cache holding another export (another uuid, or the
+   * same one recorded with another size) is refused unless
+   * discard_foreign is set and it holds no dirty data.  A size of 0 in
+   * the entry means "not recorded" (the kernel leaves it 0 for backing
+   * devices): then only the uuid is compared. */
   uint8_t backing_uuid[16];
   char backing_label[32];
   bool discard_foreign;
@@ -126,9 +129,10 @@ int bcf_device_blank (const char *path, bool *blank, char *err,
 
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
 /* The export an opened cache holds, as its uuid entry recorded it at
- * open (uuid and size in bytes); false for a cache that holds none yet.
- * A read-only open (which has no export to compare) uses it to check
- * the identity early. */
+ * open (uuid and size in bytes, 0 if the entry records no size); false
+ * for a cache that holds none yet.  A read-only open (which has no export
+ * to compare) reports slot 0, and uses this to check the identity
+ * early. */
 bool bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
                       uint64_t *bytes);
 /* The superblock as it is on disk now (read-only view). */

@@ -1235,7 +1235,102 @@ START_TEST (test_miss_fill_many)
 }
 END_TEST
 
-/* ---- geometry (issue 16 C) ------------------------------------------------------ */
+/* ---- identity (issue 16 B) and geometry (issue 16 C) ---------------------------- */
+
+/* Give the fixture a new backing store of this size (same identity). */
+static void
+fixture_new_backing (struct fixture *f, uint64_t bytes)
+{
+  mem_backing_free (f->mb);
+  f->mb = mem_backing_new (bytes);
+  f->opts.backing = mem_backing_get (f->mb);
+}
+
+/* Write sectors into uuid slot 0 of the closed cache at f->path, as the
+ * kernel leaves it for a backing device (0). */
+static void
+patch_owner_sectors (struct fixture *f, uint64_t sectors)
+{
+  uint64_t at;
+  uint8_t le[8];
+  int fd;
+
+  fixture_open (f);
+  at = f->c->uuid_bucket * f->c->bucket_bytes + 64;
+  fixture_close (f);
+  for (int i = 0; i < 8; i++)
+    le[i] = (uint8_t) (sectors >> (8 * i));
+  fd = open (f->path, O_WRONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pwrite (fd, le, 8, (off_t) at), 8);
+  close (fd);
+}
+
+/* A uuid entry whose size is 0 records no size (the kernel's entry for a
+ * backing device): only its uuid is compared.  Its message for another
+ * uuid says the size is not recorded. */
+START_TEST (test_identity_size_not_recorded)
+{
+  struct fixture f;
+  uint8_t data[8192], back[8192];
+  struct bcf_extent e[2];
+  char err[512] = "";
+  unsigned n;
+
+  fixture_init (&f, "nosize.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  rng_state = seed + 7;
+  fill (data, sizeof data);
+  ck_assert_int_eq (bcf_insert (f.c, 1 << 20, sizeof data, data, false,
+                                true), 0);
+  fixture_close (&f);
+  patch_owner_sectors (&f, 0);
+
+  /* Another size, the same uuid: accepted, and still warm. */
+  fixture_new_backing (&f, 20 << 20);
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_lookup (f.c, 1 << 20, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  ck_assert_int_eq (bcf_read_hit (f.c, &e[0], back), 0);
+  ck_assert_mem_eq (back, data, sizeof data);
+  fixture_close (&f);
+
+  /* Another uuid: another export. */
+  f.opts.backing_uuid[0] ^= 1;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -EEXIST);
+  f.c = NULL;
+  ck_assert_ptr_nonnull (strstr (err, "caches another export"));
+  ck_assert_ptr_nonnull (strstr (err, "size not recorded"));
+  fixture_free (&f);
+}
+END_TEST
+
+/* A recorded size is still checked; a resized export is reported as a
+ * resize of this export (its uuid named once), not as another export. */
+START_TEST (test_identity_resized)
+{
+  struct fixture f;
+  char err[512] = "", u[37];
+  const char *at;
+
+  fixture_init (&f, "resized.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  fixture_close (&f);
+  fixture_new_backing (&f, 20 << 20);
+  f.opts.format = BCF_FORMAT_NEVER;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -ESTALE);
+  f.c = NULL;
+  ck_assert_ptr_null (strstr (err, "another export"));
+  ck_assert_ptr_nonnull (strstr (err, "caches this export"));
+  ck_assert_ptr_nonnull (strstr (err, "16777216 bytes"));
+  ck_assert_ptr_nonnull (strstr (err, "20971520 bytes"));
+  bch_uuid_unparse (f.opts.backing_uuid, u);
+  ck_assert_ptr_nonnull (at = strstr (err, u));
+  ck_assert_ptr_null (strstr (at + 1, u));
+  fixture_free (&f);
+}
+END_TEST
 
 /* Without a bucket size, a small device gets buckets small enough for
  * the kernel to register it (more than 512), with a warning; a large one
@@ -1525,6 +1620,8 @@ engine_suite (void)
   add (s, "invalidate_after_failure", test_invalidate_after_failure);
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "miss_fill_many", test_miss_fill_many);
+  add (s, "identity_size_not_recorded", test_identity_size_not_recorded);
+  add (s, "identity_resized", test_identity_resized);
   add (s, "kernel_min_buckets", test_kernel_min_buckets);
   add (s, "interior_nodes_written_whole", test_interior_nodes_written_whole);
   add (s, "kernel_interior_keys", test_kernel_interior_keys);
