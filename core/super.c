@@ -29,8 +29,13 @@
  * refused unless discard_foreign is set, and even then not while the
  * cache holds dirty data — that data exists nowhere else.  An entry with
  * size 0 records no size (the kernel's entries for backing devices): only
- * its uuid is compared.  The whole uuid array is kept and rewritten, so
- * slots of other devices (a cache the kernel used) survive.
+ * its uuid is compared.  When the export is a bcache backing device
+ * (opts.bdev), its slot is the kernel's choice instead (core/bdev.c:
+ * found by the device's uuid, or a new one, the old one invalidated where
+ * the device was written without this cache since), and a device that
+ * any cache set holds dirty data for is refused before a format would
+ * make an empty cache for it.  The whole uuid array is kept and
+ * rewritten, so slots of other devices survive.
  *
  * Open runs: journal_read -> prio chain (gens) -> uuid bucket -> btree
  * load -> journal replay -> initial mark (metadata buckets by layout, data
@@ -51,6 +56,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bcachefilter/bdev.h"
 #include "engine.h"
 #include "super.h"
 
@@ -189,6 +195,47 @@ our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
   memcpy (u->label, c->opts.backing_label, 32);
   u->first_reg = u->last_reg = (uint32_t) time (NULL);
   u->sectors = c->backing_sectors;
+}
+
+/* The slot of a backing-device export, as the kernel's attach picks it
+ * (bcf_bdev_pick_slot; entries of a device that was written without
+ * this cache since are invalidated, never while dirty data exists).
+ * Sets c->inode; *changed when c->uuids must be written. */
+static int
+bdev_slot (struct bcf_cache *c, bool *changed, char *err, size_t errlen)
+{
+  struct bch_sb b;
+  unsigned slot;
+  int r;
+
+  bcf_bdev_super (c->opts.bdev, &b);
+  r = bcf_bdev_pick_slot (&b, c->sb.set_uuid, c->uuids, c->nr_uuids,
+                          (uint32_t) time (NULL),
+                          btree_dirty_sectors (c) == 0, &slot, changed,
+                          err, errlen);
+  if (r == 0)
+    c->inode = slot;
+  return r;
+}
+
+/* A backing device that a cache set holds dirty data for can be served
+ * only by that set: refuse before a format makes a new, empty one (what
+ * an attach to a set with no entries would say).  set_uuid is the set
+ * the format keeps (a make-bcache device's), or NULL for a new one. */
+static int
+bdev_refuse_format (struct bcf_cache *c, const uint8_t *set_uuid, char *err,
+                    size_t errlen)
+{
+  struct bch_uuid_entry none = { 0 };
+  struct bch_sb b;
+  unsigned slot;
+  bool changed;
+
+  if (!c->opts.bdev)
+    return 0;
+  bcf_bdev_super (c->opts.bdev, &b);
+  return bcf_bdev_pick_slot (&b, set_uuid, &none, 1, 0, true, &slot,
+                             &changed, err, errlen);
 }
 
 /* Write the uuid array to a new bucket and release the old one once a
@@ -344,7 +391,13 @@ first_registration (struct bcf_cache *c, char *err, size_t errlen)
 
   if ((r = uuids_alloc (c)) < 0)
     return r;
-  our_uuid_entry (c, &c->uuids[0]);
+  if (c->opts.bdev) {
+    bool changed;
+    if ((r = bdev_slot (c, &changed, err, errlen)) < 0)
+      return r;
+  }
+  else
+    our_uuid_entry (c, &c->uuids[0]);
   c->owner = c->uuids[c->inode];
   if ((r = alloc_prio_write (c)) < 0 ||
       (r = uuid_write (c)) < 0 ||
@@ -555,11 +608,17 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
 
   /* Whose cache is it? */
-  if ((r = plain_identity (c, foreign, err, errlen)) < 0 || *foreign)
-    return r;
-  if (bch_uuid_is_zero (c->uuids[0].uuid)) {
-    our_uuid_entry (c, &c->uuids[0]);
-    write_uuids = true;
+  if (c->opts.bdev) {
+    if ((r = bdev_slot (c, &write_uuids, err, errlen)) < 0)
+      return r;
+  }
+  else {
+    if ((r = plain_identity (c, foreign, err, errlen)) < 0 || *foreign)
+      return r;
+    if (bch_uuid_is_zero (c->uuids[0].uuid)) {
+      our_uuid_entry (c, &c->uuids[0]);
+      write_uuids = true;
+    }
   }
   c->owner = c->uuids[c->inode];
 
@@ -653,6 +712,8 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
     return st == BCH_ERR_MAGIC || blank ? -EMEDIUMTYPE : -EUCLEAN;
   }
   if (c->opts.format == BCF_FORMAT_FORCE) {
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0)
+      return r;
     if (!blank && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,
                 strerror (-r));
@@ -666,7 +727,8 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
                 "(bcachefilter-format) or allow formatting", path);
       return -ENODEV;
     }
-    if ((r = new_superblock (c, err, errlen)) < 0)
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0 ||
+        (r = new_superblock (c, err, errlen)) < 0)
       return r;
     return first_registration (c, err, errlen);
   }
@@ -709,6 +771,8 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
       return too_few_buckets (c, &c->sb, "make it again with smaller "
                               "buckets (make-bcache -b), or format it anew",
                               err, errlen);
+    if ((r = bdev_refuse_format (c, c->sb.set_uuid, err, errlen)) < 0)
+      return r;
     return first_registration (c, err, errlen);
   }
   r = open_existing (c, &foreign, err, errlen);

@@ -19,8 +19,10 @@
  *                               holds a cache, is blank, or (refused) holds
  *                               something else.
  *   .after_fork                 open a backend context to learn the
- *                               export's size, open the cache (replay,
- *                               identity check), start the engine's
+ *                               export's size and whether it is a bcache
+ *                               backing device (core/bdev.c), open the
+ *                               cache (replay, identity check), mark such
+ *                               a device attached, start the engine's
  *                               threads and the control socket.
  *   .prepare                    each connection checks that its export has
  *                               the size the cache was opened for.
@@ -31,7 +33,10 @@
  *
  * Each request wraps its connection's nbdkit_next in a struct bcf_backing
  * on the stack, so the request path can reach the backing store without
- * knowing nbdkit.
+ * knowing nbdkit.  For a bcache backing device, clients see its data
+ * region: .get_size and block status are shifted here, and the request
+ * layer adds the data offset to every request (bcf_req_opts.offset), so
+ * the cache's keys are at the device's sectors, as the kernel's are.
  *
  * Locking: the global state is written only before the server starts
  * (config, get_ready, after_fork) and at cleanup; the engine and request
@@ -53,6 +58,7 @@
 #define NBDKIT_API_VERSION 2
 #include <nbdkit-filter.h>
 
+#include "bcachefilter/bdev.h"
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
@@ -74,6 +80,7 @@ static struct {
   int64_t cutoff;                       /* bcache-sequential-cutoff= */
   bool have_uuid;
   uint8_t uuid[16];                     /* bcache-backing-uuid= */
+  bool bdev_auto;                       /* bcache-backing-device=auto */
   int io_mode;                          /* enum bcf_io_mode */
   bool direct;                          /* bcache-direct= */
   const char *ctl_path;                 /* bcache-ctl= */
@@ -86,6 +93,7 @@ static struct {
   .mode = BCF_MODE_WRITETHROUGH,
   .cutoff = DEFAULT_CUTOFF,
   .direct = true,
+  .bdev_auto = true,
 };
 
 /* The plugin's parameters that name the export, hashed in order into the
@@ -104,7 +112,11 @@ static bool id_any;
 static struct bcf_claim *claim;          /* from .get_ready on */
 static struct bcf_cache *cache;
 static struct bcf_req *req;
-static uint64_t export_size;
+static uint64_t export_size;            /* of the plugin's export */
+/* The export is a bcache backing device: clients see its data region,
+ * from data_offset bytes on (bcachefilter/bdev.h). */
+static struct bcf_bdev *bdev;
+static uint64_t data_offset;
 static bool ctl_running;
 
 /* ---- small helpers ---------------------------------------------------------------- */
@@ -277,6 +289,19 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
     }
     cfg.have_uuid = true;
   }
+  else if (strcmp (key, "bcache-backing-device") == 0) {
+    if (strcmp (value, "auto") == 0)
+      cfg.bdev_auto = true;
+    else if (strcmp (value, "never") == 0)
+      cfg.bdev_auto = false;
+    else {
+      nbdkit_error ("bcache-backing-device=%s: use auto (an export that "
+                    "begins with a bcache backing superblock is served as "
+                    "the kernel's bcache serves it) or never (every export "
+                    "is served whole)", value);
+      return -1;
+    }
+  }
   else if (strcmp (key, "bcache-io") == 0) {
     if (strcmp (value, "uring") == 0)
       cfg.io_mode = BCF_IO_URING;
@@ -369,6 +394,7 @@ filter_config_complete (nbdkit_next_config_complete *next, nbdkit_backend *nxdat
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \
   "bcache-backing-uuid=UUID    identity of the export in the cache\n" \
+  "bcache-backing-device=auto|never  serve a bcache backing device's data\n" \
   "bcache-io=uring|sync|auto   cache device I/O (auto)\n" \
   "bcache-direct=BOOL          use O_DIRECT on the cache (true)\n" \
   "bcache-ctl=PATH             control socket (bcachefilter-ctl)\n" \
@@ -431,9 +457,11 @@ probe_existing_cache (void)
   }
   r = 0;
   /* An entry that records no size is a bcache backing device's (the
-   * kernel's): it is compared with the export once it is known, in
-   * .after_fork (where a size change is found too). */
-  if (bcf_cache_owner (c, uuid, &bytes) && bytes != 0 &&
+   * kernel's, or ours for an export that is one).  If the export may be
+   * one too (bcache-backing-device=auto), its uuid comes from the
+   * export's superblock, which only .after_fork can read: compared
+   * there. */
+  if (bcf_cache_owner (c, uuid, &bytes) && (bytes != 0 || !cfg.bdev_auto) &&
       memcmp (uuid, cfg.uuid, 16) != 0) {
     bch_uuid_unparse (uuid, have);
     bch_uuid_unparse (cfg.uuid, want);
@@ -729,27 +757,126 @@ static const struct bcf_backing_ops bk_ops = {
   .trim = bk_trim, .zero = bk_zero, .size = bk_size,
 };
 
-/* The size of the export, through a context of our own. */
-static int64_t
-probe_export_size (nbdkit_backend *backend)
+/* A request's (or .after_fork's) view of the backing store. */
+static void
+bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
+         uint32_t flags)
+{
+  k->next = next;
+  k->flags = flags;
+  k->fua_native = next->can_fua (next) == NBDKIT_FUA_NATIVE;
+  b->ops = &bk_ops;
+  b->opaque = k;
+}
+
+
+/* A context of our own on the export, for what .after_fork reads and
+ * writes before any client connects: its size, and a bcache backing
+ * superblock at its start.  Prepared, so it may do I/O (DESIGN.md
+ * "Concurrency"). */
+static nbdkit_next *
+open_export (nbdkit_backend *backend)
 {
   nbdkit_next *next = nbdkit_next_context_open (backend, 0, "", 1);
-  int64_t size;
 
   if (!next) {
-    nbdkit_error ("bcachefilter: cannot open the export to learn its size");
-    return -1;
+    nbdkit_error ("bcachefilter: cannot open the export");
+    return NULL;
   }
   if (next->prepare (next) == -1) {
     nbdkit_next_context_close (next);
-    return -1;
+    return NULL;
   }
-  size = next->get_size (next);
+  return next;
+}
+
+static void
+close_export (nbdkit_next *next)
+{
   next->finalize (next);
   nbdkit_next_context_close (next);
-  if (size < 0)
-    nbdkit_error ("bcachefilter: cannot get the size of the export");
-  return size;
+}
+
+/* Is the export a bcache backing device (with bcache-backing-device=
+ * auto)?  Then clients see its data region (data_offset), and its
+ * superblock's uuid is the export's identity: bcache-backing-uuid=, if
+ * given, must agree. */
+static int
+probe_backing_device (const struct bcf_backing *b)
+{
+  char err[512], have[37], want[37];
+  struct bch_sb sb;
+  int r;
+
+  if (!cfg.bdev_auto)
+    return 0;
+  r = bcf_bdev_probe (b, &bdev, err, sizeof err);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: %s.  To serve the export whole, as any "
+                  "other, give bcache-backing-device=never", err);
+    return -1;
+  }
+  if (r == 0)
+    return 0;
+  bcf_bdev_super (bdev, &sb);
+  bch_uuid_unparse (sb.uuid, have);
+  if (cfg.have_uuid && memcmp (sb.uuid, cfg.uuid, 16) != 0) {
+    bch_uuid_unparse (cfg.uuid, want);
+    nbdkit_error ("bcachefilter: bcache-backing-uuid=%s, but the export is "
+                  "bcache backing device %s, and its superblock is its "
+                  "identity: drop bcache-backing-uuid=, or give "
+                  "bcache-backing-device=never to serve the export whole",
+                  want, have);
+    bcf_bdev_free (bdev);
+    bdev = NULL;
+    return -1;
+  }
+  data_offset = bcf_bdev_data_offset (bdev);
+  nbdkit_debug ("bcachefilter: the export is bcache backing device %s "
+                "(state %s): serving its data from byte %" PRIu64, have,
+                bch_bdev_state_name (bch_bdev_state (&sb)), data_offset);
+  return 0;
+}
+
+/* After the cache is open: mark the backing device attached to it, as
+ * the kernel's attach does (its superblock then names this cache set). */
+static int
+attach_backing_device (const struct bcf_backing *b)
+{
+  const uint8_t *set = bcf_cache_super (cache)->set_uuid;
+  char err[512], dev[37], was[37], now[37];
+  struct bch_sb sb;
+
+  bcf_bdev_super (bdev, &sb);
+  bch_uuid_unparse (sb.uuid, dev);
+  bch_uuid_unparse (sb.set_uuid, was);
+  bch_uuid_unparse (set, now);
+  /* Until writeback exists (issue 14), dirty data is served but never
+   * written back, and a write to part of a block drops the rest of it:
+   * let the kernel write it back first. */
+  if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OURS_DIRTY) {
+    nbdkit_error ("bcachefilter: backing device %s says that this cache "
+                  "(set %s) holds dirty data for it (a kernel's writeback "
+                  "cache), and the filter does not write dirty data back: "
+                  "let the kernel write it back first (echo writethrough "
+                  "> /sys/block/bcacheN/bcache/cache_mode, then wait until "
+                  "its state is clean)", dev, now);
+    return -1;
+  }
+  if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OTHER_CLEAN) {
+    char msg[512];
+    snprintf (msg, sizeof msg, "backing device %s was attached to cache set "
+              "%s; it is now attached to this cache (set %s), and the copy "
+              "of its data in set %s is out of date: do not attach it there "
+              "again without detaching it there first", dev, was, now, was);
+    engine_log (NULL, BCF_LOG_WARN, msg);
+  }
+  if (bcf_bdev_attach (bdev, b, set, err, sizeof err) < 0) {
+    nbdkit_error ("bcachefilter: attaching backing device %s to cache set "
+                  "%s: %s", dev, now, err);
+    return -1;
+  }
+  return 0;
 }
 
 static int ctl_stats (FILE *fp, bool json, char *err, size_t errlen);
@@ -780,13 +907,26 @@ filter_after_fork (nbdkit_backend *backend)
 {
   struct bcf_cache_opts o = { 0 };
   struct bcf_req_opts ro = { 0 };
+  struct bk ek;
+  struct bcf_backing eb;
+  nbdkit_next *next;
   char err[512];
   int r;
 
-  open_size = probe_export_size (backend);
-  if (open_size < 0)
+  if (!(next = open_export (backend)))
     return -1;
+  bk_init (&ek, &eb, next, 0);
+  open_size = next->get_size (next);
+  if (open_size < 0) {
+    nbdkit_error ("bcachefilter: cannot get the size of the export");
+    close_export (next);
+    return -1;
+  }
   export_size = (uint64_t) open_size;
+  if (probe_backing_device (&eb) == -1) {
+    close_export (next);
+    return -1;
+  }
 
   o.path = cfg.path;
   o.claim = claim;               /* created the file if it was missing */
@@ -809,6 +949,7 @@ filter_after_fork (nbdkit_backend *backend)
   o.node_cache_bytes = (size_t) cfg.node_cache;
   o.journal_delay_ms = cfg.journal_delay_ms;
   o.log = engine_log;
+  o.bdev = bdev;
 
   r = bcf_cache_open (&o, &cache, err, sizeof err);
   if (r < 0) {
@@ -821,9 +962,15 @@ filter_after_fork (nbdkit_backend *backend)
       nbdkit_error ("bcachefilter: the export was resized since this cache "
                     "was filled; bcache-format=force starts an empty cache "
                     "for it");
+    close_export (next);
     return -1;
   }
+  r = bdev ? attach_backing_device (&eb) : 0;
+  close_export (next);
+  if (r == -1)
+    goto fail;
   ro.mode = cfg.mode;
+  ro.offset = data_offset;
   ro.sequential_cutoff = (uint64_t) cfg.cutoff;
   ro.error_limit = cfg.error_limit;
   req = bcf_req_new (cache, &ro);
@@ -860,6 +1007,8 @@ filter_after_fork (nbdkit_backend *backend)
   req = NULL;
   bcf_cache_close (cache);
   cache = NULL;
+  bcf_bdev_free (bdev);
+  bdev = NULL;
   return -1;
 }
 
@@ -881,6 +1030,8 @@ filter_cleanup (nbdkit_backend *backend)
                     strerror (-r));
     cache = NULL;
   }
+  bcf_bdev_free (bdev);
+  bdev = NULL;
   bcf_claim_release (claim);
   claim = NULL;
 }
@@ -922,22 +1073,19 @@ filter_prepare (nbdkit_next *next, void *handle, int readonly)
   return 0;
 }
 
+/* A bcache backing device's clients see its data region only. */
+static int64_t
+filter_get_size (nbdkit_next *next, void *handle)
+{
+  int64_t size = next->get_size (next);
+
+  return size == -1 ? -1 : size - (int64_t) data_offset;
+}
+
 static int
 filter_can_cache (nbdkit_next *next, void *handle)
 {
   return NBDKIT_CACHE_NATIVE;
-}
-
-/* A request's view of the backing store. */
-static void
-bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
-         uint32_t flags)
-{
-  k->next = next;
-  k->flags = flags;
-  k->fua_native = next->can_fua (next) == NBDKIT_FUA_NATIVE;
-  b->ops = &bk_ops;
-  b->opaque = k;
 }
 
 static int
@@ -1019,6 +1167,34 @@ filter_cache_op (nbdkit_next *next, void *handle, uint32_t count,
   return result (bcf_req_prefetch (req, &b, count, offset), err);
 }
 
+/* The export's block status for a data region that begins data_offset
+ * bytes into it: asked at the shifted offset, answered shifted back. */
+static int
+shifted_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
+                 uint32_t flags, struct nbdkit_extents *extents, int *err)
+{
+  struct nbdkit_extents *e;
+  int r = 0;
+
+  e = nbdkit_extents_new (offset + data_offset, export_size);
+  if (!e) {
+    *err = errno;
+    return -1;
+  }
+  if (next->extents (next, count, offset + data_offset, flags, e, err) == -1)
+    r = -1;
+  for (size_t i = 0; r == 0 && i < nbdkit_extents_count (e); i++) {
+    struct nbdkit_extent x = nbdkit_get_extent (e, i);
+    if (nbdkit_add_extent (extents, x.offset - data_offset, x.length,
+                           x.type) == -1) {
+      *err = errno;
+      r = -1;
+    }
+  }
+  nbdkit_extents_free (e);
+  return r;
+}
+
 /* Block status: the backing store's answer, unless the cache holds data
  * there that the backing store does not have yet (dirty): then all data,
  * so no client skips it as a hole or zeroes. */
@@ -1034,6 +1210,8 @@ filter_extents (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset
   }
   if (d > 0)
     return nbdkit_add_extent (extents, offset, count, 0);
+  if (data_offset)
+    return shifted_extents (next, count, offset, flags, extents, err);
   return next->extents (next, count, offset, flags, extents, err);
 }
 
@@ -1299,6 +1477,7 @@ static struct nbdkit_filter filter = {
   .cleanup = filter_cleanup,
   .open = filter_open,
   .prepare = filter_prepare,
+  .get_size = filter_get_size,
   .can_cache = filter_can_cache,
   .pread = filter_pread,
   .pwrite = filter_pwrite,

@@ -98,6 +98,8 @@ refuse cutoff 'bcache-sequential-cutoff' bcache="$c" bcache-size=64M \
     bcache-sequential-cutoff=lots
 refuse format 'bcache-format' bcache="$c" bcache-size=64M bcache-format=maybe
 refuse io 'bcache-io' bcache="$c" bcache-size=64M bcache-io=carrier-pigeon
+refuse backingdev 'bcache-backing-device' bcache="$c" bcache-size=64M \
+    bcache-backing-device=maybe
 refuse direct 'bcache-direct' bcache="$c" bcache-size=64M bcache-direct=maybe
 refuse uuid 'bcache-backing-uuid' bcache="$c" bcache-size=64M \
     bcache-backing-uuid=not-a-uuid

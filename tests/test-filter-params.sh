@@ -20,7 +20,7 @@ cat "$d/help"
 
 for p in bcache bcache-size bcache-format bcache-mode bcache-bucket-size \
          bcache-block-size bcache-sequential-cutoff bcache-backing-uuid \
-         bcache-io bcache-direct bcache-ctl bcache-node-cache \
+         bcache-backing-device bcache-io bcache-direct bcache-ctl bcache-node-cache \
          bcache-error-limit bcache-test-disable-tracker; do
     # "NAME=VALUE   description" at the start of a line.
     grep -Eq "^$p=[^ ]+ +[^ ]" "$d/help" ||

@@ -37,6 +37,7 @@ extern "C" {
 
 struct bcf_cache;
 struct bcf_claim;
+struct bcf_bdev;
 
 /* What to do with a device that holds no usable cache. */
 enum bcf_format_policy {
@@ -82,6 +83,17 @@ struct bcf_cache_opts {
   uint8_t backing_uuid[16];
   char backing_label[32];
   bool discard_foreign;
+  /* The export is a bcache backing device (bcachefilter/bdev.h, from
+   * bcf_bdev_probe): its superblock's uuid and label are the identity
+   * (backing_uuid and backing_label are not used), its uuid entry records
+   * no size (as the kernel's), and its slot in the uuid array is chosen
+   * as the kernel's attach chooses it (bcf_bdev_pick_slot), keeping the
+   * other slots.  A device that a cache set holds dirty data for is
+   * refused before anything is written, unless that set is this cache.
+   * The caller marks the device attached after the open
+   * (bcf_bdev_attach).  NULL: a plain export.  Must stay valid while the
+   * cache is open. */
+  struct bcf_bdev *bdev;
 
   size_t node_cache_bytes;        /* memory bound of the btree node cache;
                                      0 = 256 MiB */
