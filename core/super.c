@@ -251,8 +251,10 @@ uuid_write (struct bcf_cache *c)
   if ((r = alloc_bucket_nowait (c, RESERVE_BTREE, &nb)) < 0)
     return r;
   buf = bcf_buf_alloc (c->bucket_bytes);
-  if (!buf)
+  if (!buf) {
+    alloc_release_meta (c, nb);
     return -ENOMEM;
+  }
   memset (buf, 0, c->bucket_bytes);
   for (unsigned i = 0; i < c->nr_uuids; i++)
     bch_uuid_entry_encode (&c->uuids[i], buf + (size_t) i * BCH_UUID_ENTRY_SIZE);
@@ -262,8 +264,11 @@ uuid_write (struct bcf_cache *c)
    * an ordinary entry does not flush first (journal.c). */
   if (r == 0)
     r = bcf_io_flush (c->io);
-  if (r < 0)
+  if (r < 0) {
+    /* Nothing names it yet: back to the allocator. */
+    alloc_release_meta (c, nb);
     return r;
+  }
   c->uuid_bucket = nb;
   r = journal_meta (c);
   if (r == 0 && had_old && old != nb)
