@@ -302,16 +302,27 @@ find_parent (struct bcf_cache *c, struct btree_node *n)
 
 /* ---- insert ------------------------------------------------------------------ */
 
-/* Record a new or moved child pointer in interior node p.  Interior keys
- * are only ever added or replaced at the same position (splits and
- * relocations), never deleted, so an appended bset of puts replays
- * exactly: on load a later key at the same position replaces the earlier
- * one.  (Removing a child, as GC's coalescing would, must instead rewrite
- * the parent into a new bucket.) */
+static int relocate_node (struct bcf_cache *c, struct btree_node *n);
+
+/* Record a new or moved child pointer in interior node p, which is then
+ * written whole into a new bucket (copy on write, up to the root), never
+ * as a bset appended to its log.  Our loader would let a later key at the
+ * same position win, but the kernel keeps every pointer of an interior
+ * node that is not stale by its bucket's gen, and a superseded child's
+ * bucket keeps its gen until it is reused: its GC walks such a pointer
+ * and coalesces the old child with the new ones, bringing old extents
+ * back into its tree (tests/kernel's crash case showed it, after the
+ * kernel replayed our journal).  bcache's own interior updates leave no
+ * such pointer either: they bump the old bucket's gen at once. */
 static int
-interior_update (struct btree_node *p, const struct ckey *k)
+interior_update (struct bcf_cache *c, struct btree_node *p,
+                 const struct ckey *k)
 {
-  int r = keyset_put (&p->open, k);
+  int r;
+
+  if (!p->rewrite && (r = relocate_node (c, p)) < 0)
+    return r;
+  r = keyset_put (&p->open, k);
   return r < 0 ? r : keyset_put (&p->keys, k);
 }
 
@@ -419,8 +430,8 @@ split_node (struct bcf_cache *c, struct btree_node *n)
       return -ENOMEM;
     t->root = parent;
   }
-  if ((r = interior_update (parent, &n1->key)) < 0 ||
-      (r = interior_update (parent, &n2->key)) < 0)
+  if ((r = interior_update (c, parent, &n1->key)) < 0 ||
+      (r = interior_update (c, parent, &n2->key)) < 0)
     return r;
 
   dead_add (c, node_bucket (c, n));
@@ -431,8 +442,6 @@ split_node (struct bcf_cache *c, struct btree_node *n)
     return split_node (c, parent);
   return 0;
 }
-
-static int relocate_node (struct bcf_cache *c, struct btree_node *n);
 
 /* GC's coalescing (bcache's btree_gc_coalesce, for two nodes): if leaf n
  * and its right sibling under the same parent fit together in 2/3 of a
@@ -984,12 +993,27 @@ struct load_ctx {
   int err;
 };
 
+/* In an interior node, the keys bcache writes that are not child
+ * pointers: a key at (0, 0) frees a node (make_btree_freeing_key: the old
+ * pointer with its bucket's gen + 1, so that the kernel, reading it first,
+ * knows the old pointer is stale); and of two keys at one position in one
+ * bset, the second is the older (bcache sorts and inserts the newest
+ * first; a later bset is newer still, and keyset_put lets it win). */
+static bool
+not_a_child (const struct ckey *k, const struct ckey *prev_in_bset)
+{
+  return (ckey_inode (k) == 0 && ckey_end (k) == 0) ||
+         (prev_in_bset && ckey_cmp (prev_in_bset, k) == 0);
+}
+
 static int
 load_bset (const struct bch_node_bset *set, void *opaque)
 {
   struct load_ctx *l = opaque;
   const uint8_t *p = (const uint8_t *) set->keys;
   size_t w = 0;
+  struct ckey prev;
+  bool have_prev = false;
 
   while (w < set->hdr.keys) {
     struct bkey_padded b;
@@ -1004,10 +1028,12 @@ load_bset (const struct bch_node_bset *set, void *opaque)
     }
     if (l->n->level == 0)
       l->err = keyset_insert (&l->n->keys, &k);
-    else
+    else if (!not_a_child (&k, have_prev ? &prev : NULL))
       l->err = keyset_put (&l->n->keys, &k);
     if (l->err < 0)
       return -1;
+    prev = k;
+    have_prev = true;
   }
   return 0;
 }
@@ -1244,7 +1270,7 @@ relocate_node (struct bcf_cache *c, struct btree_node *n)
   n->written = 0;
   dead_add (c, old);
   if (parent)
-    return interior_update (parent, &n->key);
+    return interior_update (c, parent, &n->key);
   return 0;
 }
 

@@ -489,8 +489,11 @@ struct bcf_cache {
   unsigned block_bytes;
   uint64_t set_magic;
   uint64_t backing_sectors;
-  struct bch_uuid_entry owner;    /* slot 0 as read at open (zero: none) */
+  struct bch_uuid_entry owner;    /* our slot as read at open (zero: none) */
   unsigned inode;                 /* our slot in the uuid array */
+  struct bch_uuid_entry *uuids;   /* the uuid array (nr_uuids entries), as
+                                     on disk; rewritten whole */
+  unsigned nr_uuids;
   uint64_t uuid_bucket;           /* bucket holding the uuid array */
 
   pthread_rwlock_t tree_lock;

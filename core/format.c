@@ -176,25 +176,36 @@ sb_read_fields (const uint8_t *p, struct bch_sb *sb)
   sb->obso_bucket_size_hi = bch_get_le16 (p + SB_BUCKET_SIZE_HI);
 }
 
-enum bch_status
-bch_sb_decode (const void *buf, size_t len, struct bch_sb *sb,
-               struct bch_diag *diag)
+/* What every superblock decode checks first: the length, then (with the
+ * fields read) the magic and the offset field. */
+static enum bch_status
+sb_decode_head (const uint8_t *p, size_t len, struct bch_sb *sb,
+                struct bch_diag *diag)
 {
-  const uint8_t *p = buf;
-  uint64_t csum;
-
   if (len < BCH_SB_STRUCT_SIZE)
     return fail (diag, BCH_ERR_TRUNCATED,
                  "superblock area is %zu bytes, need at least %u", len,
                  BCH_SB_STRUCT_SIZE);
   sb_read_fields (p, sb);
-
   if (memcmp (sb->magic, bch_sb_magic, 16) != 0)
     return fail (diag, BCH_ERR_MAGIC, "no bcache magic at byte 4096");
   if (sb->offset != BCH_SB_SECTOR)
     return fail (diag, BCH_ERR_INVALID,
                  "superblock offset field is %" PRIu64 ", expected 8",
                  sb->offset);
+  return BCH_OK;
+}
+
+enum bch_status
+bch_sb_decode (const void *buf, size_t len, struct bch_sb *sb,
+               struct bch_diag *diag)
+{
+  const uint8_t *p = buf;
+  enum bch_status st;
+  uint64_t csum;
+
+  if ((st = sb_decode_head (p, len, sb, diag)) != BCH_OK)
+    return st;
   switch (sb->version) {
   case BCACHE_SB_VERSION_CDEV:
   case BCACHE_SB_VERSION_CDEV_WITH_UUID:
@@ -332,6 +343,82 @@ bch_sb_encode (const struct bch_sb *sb, void *buf)
   bch_put_le64 (p + SB_CSUM, bch_sb_csum (p, BCH_SB_AREA_SIZE));
 }
 
+/* ------------------------------------------------------------------------
+ * Backing-device superblock
+ * ------------------------------------------------------------------------ */
+
+const char *
+bch_bdev_state_name (unsigned state)
+{
+  switch (state) {
+  case BCH_BDEV_STATE_NONE: return "none";
+  case BCH_BDEV_STATE_CLEAN: return "clean";
+  case BCH_BDEV_STATE_DIRTY: return "dirty";
+  case BCH_BDEV_STATE_STALE: return "stale";
+  }
+  return "invalid";
+}
+
+uint64_t
+bch_bdev_data_offset (const struct bch_sb *sb)
+{
+  return sb->version == BCACHE_SB_VERSION_BDEV ? BCH_BDEV_DATA_START_DEFAULT
+         : sb->nbuckets;
+}
+
+enum bch_status
+bch_bdev_sb_decode (const void *buf, size_t len, uint64_t device_sectors,
+                    struct bch_sb *sb, struct bch_diag *diag)
+{
+  const uint8_t *p = buf;
+  enum bch_status st;
+  uint64_t csum, data;
+
+  if ((st = sb_decode_head (p, len, sb, diag)) != BCH_OK)
+    return st;
+  if (!bch_sb_is_backing (sb))
+    return fail (diag, BCH_ERR_VERSION,
+                 "superblock version %" PRIu64 " is not a backing device's "
+                 "(known: 1, 4, 6)%s", sb->version,
+                 sb->version == BCACHE_SB_VERSION_CDEV ||
+                 sb->version == BCACHE_SB_VERSION_CDEV_WITH_UUID ||
+                 sb->version == BCACHE_SB_VERSION_CDEV_WITH_FEATURES
+                 ? ": it is a cache device" : "");
+  csum = bch_sb_csum (p, len);
+  if (csum != sb->csum)
+    return fail (diag, BCH_ERR_CSUM,
+                 "superblock checksum 0x%016" PRIx64 " does not match the "
+                 "computed 0x%016" PRIx64, sb->csum, csum);
+  if (bch_uuid_is_zero (sb->uuid))
+    return fail (diag, BCH_ERR_INVALID, "device uuid is all zero");
+  data = bch_bdev_data_offset (sb);
+  if (data < BCH_BDEV_DATA_START_DEFAULT)
+    return fail (diag, BCH_ERR_INVALID,
+                 "data_offset %" PRIu64 " sectors is below %u (it would "
+                 "overlap the superblock)", data, BCH_BDEV_DATA_START_DEFAULT);
+  if (bch_bdev_cache_mode (sb) > BCH_BDEV_MODE_NONE)
+    return fail (diag, BCH_ERR_INVALID, "cache mode %u is not one of 0-3",
+                 bch_bdev_cache_mode (sb));
+  if (device_sectors && data >= device_sectors)
+    return fail (diag, BCH_ERR_INVALID,
+                 "data_offset %" PRIu64 " sectors leaves no data on a device "
+                 "of %" PRIu64 " sectors", data, device_sectors);
+  return ok (diag);
+}
+
+void
+bch_bdev_sb_set_state (void *buf, const uint8_t set_uuid[16], unsigned state)
+{
+  uint8_t *p = buf;
+  uint64_t flags = bch_get_le64 (p + SB_FLAGS);
+
+  flags = (flags & ~BCH_BDEV_STATE_MASK) |
+          (((uint64_t) state << BCH_BDEV_STATE_SHIFT) & BCH_BDEV_STATE_MASK);
+  memcpy (p + SB_SET_UUID, set_uuid, 16);
+  bch_put_le64 (p + SB_FLAGS, flags);
+  bch_put_le64 (p + SB_CSUM, bch_sb_csum (p, BCH_SB_AREA_SIZE));
+}
+
 uint64_t
 bch_btree_node_bytes (uint64_t bucket_sectors)
 {
@@ -343,6 +430,17 @@ bch_btree_node_bytes (uint64_t bucket_sectors)
   if (pages > 64)
     pages = pages / 4 > 64 ? pages / 4 : 64;
   return pages * BCH_PAGE_SIZE;
+}
+
+unsigned
+bch_default_bucket_sectors (uint64_t device_sectors, unsigned block_sectors)
+{
+  unsigned bucket = 1024, floor = block_sectors > BCH_PAGE_SECTORS
+                                  ? block_sectors : BCH_PAGE_SECTORS;
+
+  while (bucket > floor && device_sectors / bucket < BCH_KERNEL_MIN_NBUCKETS)
+    bucket /= 2;
+  return bucket;
 }
 
 unsigned

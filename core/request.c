@@ -2,6 +2,11 @@
  *
  * Design
  * ------
+ * Each entry point first adds opts.offset to the client's offset (the
+ * data offset of a bcache backing device: the kernel shifts a bio the
+ * same way before its lookup), so everything below works in
+ * backing-store offsets, and the keys are at backing-store sectors.
+ *
  * Client requests may have any offset and length; the engine works in
  * whole cache blocks.  A request is widened to the blocks it touches (the
  * "span").  Reads of a span that is not the request itself go through a
@@ -180,6 +185,7 @@ struct bcf_req {
   struct bcf_seqdetect *seq;
   struct bcf_stats *stats;
   uint64_t block;               /* cache block size, bytes */
+  uint64_t offset;              /* added to every request (opts.offset) */
   uint64_t size;                /* backing store size */
   uint64_t cache_end;           /* size rounded down to a block */
   unsigned error_limit;
@@ -467,6 +473,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   pthread_cond_init (&r->fill_done, NULL);
   r->c = c;
   r->block = bcf_cache_block_size (c);
+  r->offset = o->offset;
   r->size = bcf_cache_backing_size (c);
   r->cache_end = r->size / r->block * r->block;
   r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
@@ -950,7 +957,10 @@ int
 bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
               void *buf, uint32_t count, uint64_t offset)
 {
-  bool bypass = should_bypass (r, offset, count);
+  bool bypass;
+
+  offset += r->offset;
+  bypass = should_bypass (r, offset, count);
 
   return do_read (r, b, buf, count, offset, bypass);
 }
@@ -959,9 +969,12 @@ int
 bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
                   uint32_t count, uint64_t offset)
 {
-  uint64_t end = (uint64_t) offset + count;
+  uint64_t end;
   uint8_t *buf;
   int rc = 0;
+
+  offset += r->offset;
+  end = offset + count;
 
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
@@ -1093,12 +1106,15 @@ int
 bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
 {
-  struct span s = span_of (r, offset, count);
-  struct span in = inner_of (r, offset, count);
+  struct span s, in;
   struct bcf_bypass_token tok;
   struct bcf_write w;
   bool insert, cached = false;
   int rc;
+
+  offset += r->offset;
+  s = span_of (r, offset, count);
+  in = inner_of (r, offset, count);
 
   if (count == 0)
     return 0;
@@ -1183,7 +1199,7 @@ int
 bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool fua)
 {
-  int rc = change_range (r, b, count, offset, call_trim, NULL);
+  int rc = change_range (r, b, count, offset + r->offset, call_trim, NULL);
 
   /* The backing trim has no FUA of its own in the ops: flush. */
   if (rc == 0 && fua)
@@ -1196,7 +1212,7 @@ bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool may_trim, bool fua)
 {
   struct zero_args z = { .may_trim = may_trim };
-  int rc = change_range (r, b, count, offset, call_zero, &z);
+  int rc = change_range (r, b, count, offset + r->offset, call_zero, &z);
 
   if (rc == 0 && fua)
     rc = b->ops->flush (b->opaque);
@@ -1221,7 +1237,7 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 int
 bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset)
 {
-  struct span s = span_of (r, offset, count);
+  struct span s = span_of (r, offset + r->offset, count);
   uint64_t pos = s.start;
 
   if (cache_off (r) || bcf_cache_dirty_bytes (r->c) == 0)

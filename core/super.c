@@ -25,11 +25,19 @@
  * during format just formats again.  (A forced format of a live cache
  * first zeroes its superblock for the same reason.)
  *
- * Identity: the uuid entry in slot 0 names the export the cache belongs
- * to.  Opening against another export (different uuid, or a different
- * size: a resized export would make cached offsets lie) is refused unless
- * discard_foreign is set, and even then not while the cache holds dirty
- * data — that data exists nowhere else.
+ * Identity: the uuid entry in slot 0 names the (plain) export the cache
+ * belongs to.  Opening against another export (different uuid, or a
+ * different size: a resized export would make cached offsets lie) is
+ * refused unless discard_foreign is set, and even then not while the
+ * cache holds dirty data — that data exists nowhere else.  An entry with
+ * size 0 records no size (the kernel's entries for backing devices): only
+ * its uuid is compared.  When the export is a bcache backing device
+ * (opts.bdev), its slot is the kernel's choice instead (core/bdev.c:
+ * found by the device's uuid, or a new one, the old one invalidated where
+ * the device was written without this cache since), and a device that
+ * any cache set holds dirty data for is refused before a format would
+ * make an empty cache for it.  The whole uuid array is kept and
+ * rewritten, so slots of other devices survive.
  *
  * Open runs: journal_read -> prio chain (gens) -> uuid bucket -> btree
  * load -> journal replay -> initial mark (metadata buckets by layout, data
@@ -50,6 +58,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bcachefilter/bdev.h"
 #include "bcachefilter/probe.h"
 #include "engine.h"
 #include "super.h"
@@ -282,6 +291,19 @@ super_abandon (struct bcf_cache *c)
 
 /* ---- uuids ------------------------------------------------------------------ */
 
+/* The uuid array: one bucket of 128-byte entries (bcache.md §1.8), kept
+ * whole in memory so that a rewrite keeps every slot, ours or not (a
+ * cache the kernel used may hold several backing devices). */
+static int
+uuids_alloc (struct bcf_cache *c)
+{
+  free (c->uuids);
+  c->nr_uuids = (unsigned) bch_uuids_per_bucket (c->bucket_bytes);
+  c->uuids = calloc (c->nr_uuids, sizeof *c->uuids);
+  return c->uuids ? 0 : -ENOMEM;
+}
+
+/* Slot 0 for a plain export: its uuid, label and size in sectors. */
 static void
 our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
 {
@@ -292,10 +314,51 @@ our_uuid_entry (struct bcf_cache *c, struct bch_uuid_entry *u)
   u->sectors = c->backing_sectors;
 }
 
-/* Write the uuid array (slot 0 = u, the rest empty) to a new bucket and
- * release the old one once a journal entry points at the new one. */
+/* The slot of a backing-device export, as the kernel's attach picks it
+ * (bcf_bdev_pick_slot; entries of a device that was written without
+ * this cache since are invalidated, never while dirty data exists).
+ * Sets c->inode; *changed when c->uuids must be written. */
 static int
-uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
+bdev_slot (struct bcf_cache *c, bool *changed, char *err, size_t errlen)
+{
+  struct bch_sb b;
+  unsigned slot;
+  int r;
+
+  bcf_bdev_super (c->opts.bdev, &b);
+  r = bcf_bdev_pick_slot (&b, c->sb.set_uuid, c->uuids, c->nr_uuids,
+                          (uint32_t) time (NULL),
+                          btree_dirty_sectors (c) == 0, &slot, changed,
+                          err, errlen);
+  if (r == 0)
+    c->inode = slot;
+  return r;
+}
+
+/* A backing device that a cache set holds dirty data for can be served
+ * only by that set: refuse before a format makes a new, empty one (what
+ * an attach to a set with no entries would say).  set_uuid is the set
+ * the format keeps (a make-bcache device's), or NULL for a new one. */
+static int
+bdev_refuse_format (struct bcf_cache *c, const uint8_t *set_uuid, char *err,
+                    size_t errlen)
+{
+  struct bch_uuid_entry none = { 0 };
+  struct bch_sb b;
+  unsigned slot;
+  bool changed;
+
+  if (!c->opts.bdev)
+    return 0;
+  bcf_bdev_super (c->opts.bdev, &b);
+  return bcf_bdev_pick_slot (&b, set_uuid, &none, 1, 0, true, &slot,
+                             &changed, err, errlen);
+}
+
+/* Write the uuid array to a new bucket and release the old one once a
+ * journal entry points at the new one. */
+static int
+uuid_write (struct bcf_cache *c)
 {
   uint64_t nb, old = c->uuid_bucket;
   bool had_old = c->sb.flags & BCH_CACHE_SYNC;
@@ -305,18 +368,24 @@ uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
   if ((r = alloc_bucket_nowait (c, RESERVE_BTREE, &nb)) < 0)
     return r;
   buf = bcf_buf_alloc (c->bucket_bytes);
-  if (!buf)
+  if (!buf) {
+    alloc_release_meta (c, nb);
     return -ENOMEM;
+  }
   memset (buf, 0, c->bucket_bytes);
-  bch_uuid_entry_encode (u, buf);
+  for (unsigned i = 0; i < c->nr_uuids; i++)
+    bch_uuid_entry_encode (&c->uuids[i], buf + (size_t) i * BCH_UUID_ENTRY_SIZE);
   r = bcf_io_pwrite (c->io, buf, c->bucket_bytes, nb * c->bucket_bytes);
   bcf_buf_free (buf, c->bucket_bytes);
   /* Durable before it is published: every journal entry names it, and
    * an ordinary entry does not flush first (journal.c). */
   if (r == 0)
     r = bcf_io_flush (c->io);
-  if (r < 0)
+  if (r < 0) {
+    /* Nothing names it yet: back to the allocator. */
+    alloc_release_meta (c, nb);
     return r;
+  }
   c->uuid_bucket = nb;
   r = journal_meta (c);
   if (r == 0 && had_old && old != nb)
@@ -325,8 +394,8 @@ uuid_write (struct bcf_cache *c, const struct bch_uuid_entry *u)
 }
 
 static int
-uuid_read (struct bcf_cache *c, const struct bkey *k,
-           struct bch_uuid_entry *u, char *err, size_t errlen)
+uuid_read (struct bcf_cache *c, const struct bkey *k, char *err,
+           size_t errlen)
 {
   uint64_t b;
   uint8_t *buf;
@@ -338,12 +407,16 @@ uuid_read (struct bcf_cache *c, const struct bkey *k,
     snprintf (err, errlen, "the journal's uuid bucket pointer is invalid");
     return -EUCLEAN;
   }
+  if ((r = uuids_alloc (c)) < 0)
+    return r;
   buf = bcf_buf_alloc (c->bucket_bytes);
   if (!buf)
     return -ENOMEM;
   r = bcf_io_pread (c->io, buf, c->bucket_bytes, b * c->bucket_bytes);
   if (r == 0)
-    bch_uuid_entry_decode (buf, u);
+    for (unsigned i = 0; i < c->nr_uuids; i++)
+      bch_uuid_entry_decode (buf + (size_t) i * BCH_UUID_ENTRY_SIZE,
+                             &c->uuids[i]);
   else
     snprintf (err, errlen, "reading the uuid bucket: %s", strerror (-r));
   bcf_buf_free (buf, c->bucket_bytes);
@@ -414,7 +487,6 @@ journal_buckets_for (const struct bcf_cache *c)
 static int
 first_registration (struct bcf_cache *c, char *err, size_t errlen)
 {
-  struct bch_uuid_entry u;
   int r;
 
   bcf_log (c, BCF_LOG_INFO, "%s: first registration of a new cache "
@@ -439,9 +511,18 @@ first_registration (struct bcf_cache *c, char *err, size_t errlen)
   mark_layout (c);
   alloc_fill_from_unused (c);
 
-  our_uuid_entry (c, &u);
+  if ((r = uuids_alloc (c)) < 0)
+    return r;
+  if (c->opts.bdev) {
+    bool changed;
+    if ((r = bdev_slot (c, &changed, err, errlen)) < 0)
+      return r;
+  }
+  else
+    our_uuid_entry (c, &c->uuids[0]);
+  c->owner = c->uuids[c->inode];
   if ((r = alloc_prio_write (c)) < 0 ||
-      (r = uuid_write (c, &u)) < 0 ||
+      (r = uuid_write (c)) < 0 ||
       (r = btree_new_root (c)) < 0 ||
       (r = btree_checkpoint (c)) < 0) {
     snprintf (err, errlen, "formatting %s: %s", bcf_io_path (c->io),
@@ -461,19 +542,36 @@ first_registration (struct bcf_cache *c, char *err, size_t errlen)
   return 0;
 }
 
+/* A cache of fewer buckets than opts.min_buckets is not made. */
+static int
+too_few_buckets (struct bcf_cache *c, const struct bch_sb *sb,
+                 const char *advice, char *err, size_t errlen)
+{
+  snprintf (err, errlen, "%s: a cache of %" PRIu64 " buckets of %" PRIu64
+            " KiB is too small for the Linux kernel, which registers none "
+            "with 512 buckets or fewer (at least %u are asked for); %s",
+            bcf_io_path (c->io), sb->nbuckets, bch_sb_bucket_sectors (sb) / 2,
+            c->opts.min_buckets, advice);
+  return -EINVAL;
+}
+
 /* Build a superblock for a blank device (make-bcache -C's defaults). */
 static int
 new_superblock (struct bcf_cache *c, char *err, size_t errlen)
 {
   uint64_t dev_bytes = bcf_io_size (c->io);
-  unsigned bucket = c->opts.bucket_sectors ? c->opts.bucket_sectors : 1024;
   unsigned block = c->opts.block_sectors ? c->opts.block_sectors
                    : bcf_io_block_size (c->io) >> BCH_SECTOR_SHIFT;
+  unsigned bucket;
   struct bch_sb *sb = &c->sb;
   struct bch_diag d;
 
   if (block == 0)
     block = 1;
+  /* The default shrinks on small devices, so that the kernel can
+   * register the cache (BCH_KERNEL_MIN_NBUCKETS). */
+  bucket = c->opts.bucket_sectors ? c->opts.bucket_sectors
+           : bch_default_bucket_sectors (dev_bytes >> BCH_SECTOR_SHIFT, block);
   memset (sb, 0, sizeof *sb);
   sb->offset = BCH_SB_SECTOR;
   sb->version = BCACHE_SB_VERSION_CDEV;
@@ -498,12 +596,21 @@ new_superblock (struct bcf_cache *c, char *err, size_t errlen)
               : "");
     return -EINVAL;
   }
+  if (sb->nbuckets < c->opts.min_buckets)
+    return too_few_buckets (c, sb, c->opts.bucket_sectors
+                            ? "give a larger device or smaller buckets"
+                            : "give a larger device", err, errlen);
   if (block << BCH_SECTOR_SHIFT < bcf_io_block_size (c->io)) {
     snprintf (err, errlen, "block size %u bytes is smaller than the "
               "device's logical block size %u", block << BCH_SECTOR_SHIFT,
               bcf_io_block_size (c->io));
     return -EINVAL;
   }
+  if (!c->opts.bucket_sectors && bucket < 1024)
+    bcf_log (c, BCF_LOG_WARN, "%s: %" PRIu64 " bytes: formatting with "
+             "buckets of %u KiB instead of the default 512 KiB, so that the "
+             "cache has more than 512 buckets (the Linux kernel registers no "
+             "cache with fewer)", bcf_io_path (c->io), dev_bytes, bucket / 2);
   set_geometry (c);
   return 0;
 }
@@ -542,13 +649,62 @@ recover_intent (struct bcf_cache *c)
   return r;
 }
 
+/* Is slot 0 this plain export's?  An empty slot 0 (a cache never
+ * attached to an export) is claimed by the caller.  A size of 0 in the
+ * entry is "not recorded" (the kernel leaves it 0 for backing devices):
+ * then the uuid alone decides.  Another export, or this one with another
+ * size (a resized export: cached data may not be where the export's is
+ * now), is refused unless discard_foreign is set and the cache holds no
+ * dirty data, which sets *foreign. */
+static int
+plain_identity (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
+{
+  const struct bch_uuid_entry *u = &c->uuids[0];
+  const bool other = memcmp (u->uuid, c->opts.backing_uuid, 16) != 0;
+  const bool resized = !other && u->sectors &&
+                       u->sectors != c->backing_sectors;
+  const uint64_t bytes = c->backing_sectors << BCH_SECTOR_SHIFT;
+  const char *path = bcf_io_path (c->io);
+  char have[37], want[37], size[64] = ", size not recorded";
+  const char *tail;
+  uint64_t dirty;
+
+  if (bch_uuid_is_zero (u->uuid) || (!other && !resized))
+    return 0;
+  dirty = btree_dirty_sectors (c);
+  if (c->opts.discard_foreign && !dirty) {
+    *foreign = true;
+    return 0;
+  }
+  bch_uuid_unparse (u->uuid, have);
+  bch_uuid_unparse (c->opts.backing_uuid, want);
+  tail = dirty ? "; it holds dirty data that exists nowhere else, so it is "
+         "never discarded: attach it to its own export first"
+         : "; to discard its contents and reuse it for this export, ask for "
+         "that explicitly";
+  if (u->sectors)
+    snprintf (size, sizeof size, ", %" PRIu64 " bytes",
+              u->sectors << BCH_SECTOR_SHIFT);
+  if (other) {
+    snprintf (err, errlen, "%s caches another export (uuid %s%s), not this "
+              "one (uuid %s, %" PRIu64 " bytes)%s", path, have, size, want,
+              bytes, tail);
+    return -EEXIST;
+  }
+  snprintf (err, errlen, "%s caches this export (uuid %s) as it was with %"
+            PRIu64 " bytes, but it has %" PRIu64 " bytes now: after a "
+            "resize, cached data may not be where the export's is%s", path,
+            have, u->sectors << BCH_SECTOR_SHIFT, bytes, tail);
+  return -ESTALE;
+}
+
 static int
 open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 {
   struct journal_replay jr;
-  struct bch_uuid_entry u;
   struct ckey root;
   uint64_t nkeys;
+  bool write_uuids = false;
   int r;
 
   *foreign = false;
@@ -564,9 +720,9 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
               r == -EUCLEAN ? "corrupt" : strerror (-r));
     return r;
   }
-  if ((r = uuid_read (c, &jr.uuid_bucket.key, &u, err, errlen)) < 0)
+  if ((r = uuid_read (c, &jr.uuid_bucket.key, err, errlen)) < 0)
     return r;
-  c->owner = u;
+  c->owner = c->uuids[0];
   if (!ckey_from_bkey (&jr.root.key, &root) || !ckey_has_ptr (&root) ||
       bucket_of_ptr (c, root.ptr) >= c->sb.nbuckets ||
       jr.root_level > 16) {
@@ -594,30 +750,19 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
 
   /* Whose cache is it? */
-  /* (An empty slot 0: a cache never attached to an export; it is
-   * claimed below.) */
-  if (!bch_uuid_is_zero (u.uuid) &&
-      (memcmp (u.uuid, c->opts.backing_uuid, 16) != 0 ||
-       u.sectors != c->backing_sectors)) {
-    char have[37], want[37];
-    uint64_t dirty = btree_dirty_sectors (c);
-
-    bch_uuid_unparse (u.uuid, have);
-    bch_uuid_unparse (c->opts.backing_uuid, want);
-    if (!c->opts.discard_foreign || dirty) {
-      snprintf (err, errlen, "%s caches another export (uuid %s, %" PRIu64
-                " bytes), not this one (uuid %s, %" PRIu64 " bytes)%s",
-                bcf_io_path (c->io), have, u.sectors << BCH_SECTOR_SHIFT,
-                want, c->backing_sectors << BCH_SECTOR_SHIFT,
-                dirty ? "; it holds dirty data that exists nowhere "
-                "else, so it is never discarded: attach it to its own "
-                "export first" : "; to discard its contents and reuse it "
-                "for this export, ask for that explicitly");
-      return -EEXIST;
-    }
-    *foreign = true;
-    return 0;
+  if (c->opts.bdev) {
+    if ((r = bdev_slot (c, &write_uuids, err, errlen)) < 0)
+      return r;
   }
+  else {
+    if ((r = plain_identity (c, foreign, err, errlen)) < 0 || *foreign)
+      return r;
+    if (bch_uuid_is_zero (c->uuids[0].uuid)) {
+      our_uuid_entry (c, &c->uuids[0]);
+      write_uuids = true;
+    }
+  }
+  c->owner = c->uuids[c->inode];
 
   /* The initial mark, free lists, gens on disk, replayed keys in the
    * tree on disk. */
@@ -628,8 +773,7 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
   alloc_fill_from_unused (c);
   if ((r = alloc_prio_write (c)) < 0 ||
-      (bch_uuid_is_zero (u.uuid) &&
-       (our_uuid_entry (c, &u), (r = uuid_write (c, &u)) < 0)) ||
+      (write_uuids && (r = uuid_write (c)) < 0) ||
       (r = recover_intent (c)) < 0 ||
       (r = btree_checkpoint (c)) < 0) {
     snprintf (err, errlen, "opening %s: writing metadata: %s",
@@ -643,6 +787,10 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 static void
 drop_state (struct bcf_cache *c)
 {
+  free (c->uuids);
+  c->uuids = NULL;
+  c->nr_uuids = 0;
+  c->inode = 0;
   btree_free (c);
   journal_free (c);
   alloc_free (c);
@@ -692,6 +840,8 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
            ? -EMEDIUMTYPE : -EUCLEAN;
   }
   if (c->opts.format == BCF_FORMAT_FORCE) {
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0)
+      return r;
     if (v.kind != BCF_DEVICE_BLANK && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,
                 strerror (-r));
@@ -706,7 +856,8 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
                 "(bcachefilter-format) or allow formatting", path);
       return -ENODEV;
     }
-    if ((r = new_superblock (c, err, errlen)) < 0)
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0 ||
+        (r = new_superblock (c, err, errlen)) < 0)
       return r;
     return first_registration (c, err, errlen);
   case BCF_DEVICE_FOREIGN:
@@ -743,6 +894,12 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
                 "registered; allow formatting to initialise it", path);
       return -ENODEV;
     }
+    if (c->sb.nbuckets < c->opts.min_buckets)
+      return too_few_buckets (c, &c->sb, "make it again with smaller "
+                              "buckets (make-bcache -b), or format it anew",
+                              err, errlen);
+    if ((r = bdev_refuse_format (c, c->sb.set_uuid, err, errlen)) < 0)
+      return r;
     return first_registration (c, err, errlen);
   }
   r = open_existing (c, &foreign, err, errlen);

@@ -2,7 +2,8 @@
  *
  *   fuzz-gen-seeds OUTDIR
  *
- * creates OUTDIR/corpus-{sb,bkey,node,jset,pset,uuid,journal,prio-chain}/
+ * creates OUTDIR/corpus-{sb,bdev,bkey,node,jset,pset,uuid,journal,
+ *                        prio-chain}/
  * and writes valid (and a few deliberately broken) structures into them,
  * encoded with the format.c encoders, each prefixed by the target's
  * parameter header (common.h).  Structures are kept small (512-byte
@@ -114,9 +115,11 @@ make_sb (struct bch_sb *sb, uint16_t bucket_size)
   sb->first_bucket = (uint16_t) (bucket_size ? 23 / bucket_size + 1 : 1);
 }
 
+/* A superblock seed (fuzz-sb, fuzz-bdev: the same input layout). */
 static void
-sb_seed (const char *name, const struct bch_sb *sb, uint8_t flags,
-         uint64_t device_sectors, size_t area_len, void (*mangle) (uint8_t *))
+area_seed (const char *target, const char *name, const struct bch_sb *sb,
+           uint8_t flags, uint64_t device_sectors, size_t area_len,
+           void (*mangle) (uint8_t *))
 {
   uint8_t area[BCH_SB_AREA_SIZE];
   bch_sb_encode (sb, area);
@@ -126,7 +129,14 @@ sb_seed (const char *name, const struct bch_sb *sb, uint8_t flags,
   put8 (&o, flags);
   put64 (&o, device_sectors);
   put (&o, area, area_len);
-  seed ("sb", name, &o);
+  seed (target, name, &o);
+}
+
+static void
+sb_seed (const char *name, const struct bch_sb *sb, uint8_t flags,
+         uint64_t device_sectors, size_t area_len, void (*mangle) (uint8_t *))
+{
+  area_seed ("sb", name, sb, flags, device_sectors, area_len, mangle);
 }
 
 static void
@@ -200,6 +210,79 @@ sb_seeds (void)
   sb.nbuckets = 2048;                   /* data_offset */
   sb.flags = 1 | (2ull << 61);          /* writeback, dirty */
   sb_seed ("backing", &sb, 0, 0, BCH_SB_AREA_SIZE, NULL);
+}
+
+/* ------------------------------------------------------------------------ */
+
+/* A make-bcache -B superblock: version 1 (data at sector 16), 4 KiB
+ * blocks, detached (state none; make-bcache fills set_uuid anyway). */
+static void
+make_bdev_sb (struct bch_sb *sb)
+{
+  memset (sb, 0, sizeof *sb);
+  sb->offset = BCH_SB_SECTOR;
+  sb->version = BCACHE_SB_VERSION_BDEV;
+  memcpy (sb->magic, bch_sb_magic, 16);
+  memcpy (sb->uuid, dev_uuid, 16);
+  memcpy (sb->set_uuid, set_uuid, 16);
+  sb->block_size = 8;
+  sb->bucket_size = 1024;
+}
+
+static void
+bdev_seed (const char *name, const struct bch_sb *sb, uint8_t flags,
+           uint64_t device_sectors, size_t area_len,
+           void (*mangle) (uint8_t *))
+{
+  area_seed ("bdev", name, sb, flags, device_sectors, area_len, mangle);
+}
+
+static void
+mangle_data_offset (uint8_t *area)
+{
+  bch_put_le64 (area + 184, 8);          /* < 16: invalid */
+}
+
+static void
+bdev_seeds (void)
+{
+  struct bch_sb sb;
+
+  make_bdev_sb (&sb);
+  bdev_seed ("v1-detached", &sb, 0, 1 << 18, BCH_SB_AREA_SIZE, NULL);
+  bdev_seed ("truncated", &sb, 0, 0, BCH_SB_STRUCT_SIZE - 8, NULL);
+  bdev_seed ("bad-csum", &sb, 0, 0, BCH_SB_AREA_SIZE, mangle_csum);
+  bdev_seed ("attach-clean", &sb, 1 << 1, 0, BCH_SB_AREA_SIZE, NULL);
+
+  /* Attached and clean, writearound, labelled. */
+  make_bdev_sb (&sb);
+  sb.flags = BCH_BDEV_MODE_WRITEAROUND |
+             ((uint64_t) BCH_BDEV_STATE_CLEAN << BCH_BDEV_STATE_SHIFT);
+  memcpy (sb.label, "vm1-disk", 8);
+  bdev_seed ("v1-clean", &sb, 0, 1 << 18, BCH_SB_AREA_SIZE, NULL);
+
+  /* Version 4, data at 1 MiB, writeback with dirty data. */
+  make_bdev_sb (&sb);
+  sb.version = BCACHE_SB_VERSION_BDEV_WITH_OFFSET;
+  sb.nbuckets = 2048;                   /* data_offset */
+  sb.flags = BCH_BDEV_MODE_WRITEBACK |
+             ((uint64_t) BCH_BDEV_STATE_DIRTY << BCH_BDEV_STATE_SHIFT);
+  bdev_seed ("v4-dirty", &sb, 0, 1 << 20, BCH_SB_AREA_SIZE, NULL);
+  bdev_seed ("v4-no-data", &sb, 0, 2048, BCH_SB_AREA_SIZE, NULL);
+  bdev_seed ("v4-bad-offset-fixed-csum", &sb, FUZZ_SB_FIX_CSUM, 0,
+             BCH_SB_AREA_SIZE, mangle_data_offset);
+  bdev_seed ("detach", &sb, 0, 0, BCH_SB_AREA_SIZE, NULL);
+
+  /* Version 6 with feature words (kept, not checked). */
+  make_bdev_sb (&sb);
+  sb.version = BCACHE_SB_VERSION_BDEV_WITH_FEATURES;
+  sb.nbuckets = 16;
+  sb.feature_incompat = BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET;
+  bdev_seed ("v6-features", &sb, 0, 0, BCH_SB_AREA_SIZE, NULL);
+
+  /* A cache superblock: not a backing device. */
+  make_sb (&sb, 1024);
+  bdev_seed ("cache-device", &sb, 0, 0, BCH_SB_AREA_SIZE, NULL);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -828,6 +911,7 @@ main (int argc, char **argv)
   }
   outdir = argv[1];
   sb_seeds ();
+  bdev_seeds ();
   bkey_seeds ();
   node_seeds ();
   jset_seeds ();

@@ -16,6 +16,8 @@
  *                socket's operations
  *   backing.c    the export as the engine sees it (struct bcf_backing
  *                over a connection's nbdkit_next)
+ *   (core/bdev.c holds what a bcache backing device as the export needs;
+ *   here .get_size and block status show only its data region)
  *   render.c     the control socket's text and JSON
  *   ctl.c        the control socket's server
  *   this file    the per-connection callbacks: each NBD request mapped
@@ -59,11 +61,16 @@ filter_open (nbdkit_next_open *next, nbdkit_context *nxdata, int readonly,
 static int
 filter_prepare (nbdkit_next *next, void *handle, int readonly)
 {
+  return lifecycle_check_export (next);
+}
+
+/* A bcache backing device's clients see its data region only. */
+static int64_t
+filter_get_size (nbdkit_next *next, void *handle)
+{
   int64_t size = next->get_size (next);
 
-  if (size == -1)
-    return -1;
-  return lifecycle_check_export (size);
+  return size == -1 ? -1 : size - (int64_t) lifecycle_data_offset ();
 }
 
 static int
@@ -151,6 +158,40 @@ filter_cache_op (nbdkit_next *next, void *handle, uint32_t count,
   return result (bcf_req_prefetch (req, &b, count, offset), err);
 }
 
+/* The export's block status for a data region that begins shift bytes
+ * into it: asked at the shifted offset, answered shifted back. */
+static int
+shifted_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
+                 uint64_t shift, uint32_t flags,
+                 struct nbdkit_extents *extents, int *err)
+{
+  struct nbdkit_extents *e;
+  int64_t size = next->get_size (next);
+  int r = 0;
+
+  if (size == -1) {
+    *err = EIO;
+    return -1;
+  }
+  e = nbdkit_extents_new (offset + shift, (uint64_t) size);
+  if (!e) {
+    *err = errno;
+    return -1;
+  }
+  if (next->extents (next, count, offset + shift, flags, e, err) == -1)
+    r = -1;
+  for (size_t i = 0; r == 0 && i < nbdkit_extents_count (e); i++) {
+    struct nbdkit_extent x = nbdkit_get_extent (e, i);
+    if (nbdkit_add_extent (extents, x.offset - shift, x.length,
+                           x.type) == -1) {
+      *err = errno;
+      r = -1;
+    }
+  }
+  nbdkit_extents_free (e);
+  return r;
+}
+
 /* Block status: the backing store's answer, unless the cache holds data
  * there that the backing store does not have yet (dirty): then all data,
  * so no client skips it as a hole or zeroes. */
@@ -166,6 +207,9 @@ filter_extents (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset
   }
   if (d > 0)
     return nbdkit_add_extent (extents, offset, count, 0);
+  if (lifecycle_data_offset ())
+    return shifted_extents (next, count, offset, lifecycle_data_offset (),
+                            flags, extents, err);
   return next->extents (next, count, offset, flags, extents, err);
 }
 
@@ -183,6 +227,7 @@ static struct nbdkit_filter filter = {
   .cleanup = filter_cleanup,
   .open = filter_open,
   .prepare = filter_prepare,
+  .get_size = filter_get_size,
   .can_cache = filter_can_cache,
   .pread = filter_pread,
   .pwrite = filter_pwrite,

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bcachefilter/bdev.h"
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/probe.h"
@@ -27,6 +28,12 @@ static struct bcf_cache *cache;
 struct bcf_req *req;
 static uint64_t export_size;            /* the size the cache was opened for */
 static bool attached;                   /* ... and it is the export's */
+static bool first_seen;                 /* a connection has passed .prepare */
+/* The export is a bcache backing device: clients see its data region,
+ * from data_offset bytes on (bcachefilter/bdev.h).  Set by the first
+ * connection, before the engine is opened for it. */
+static struct bcf_bdev *bdev;
+static uint64_t data_offset;
 static bool ctl_running;
 static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_rwlock_t state_lock = PTHREAD_RWLOCK_INITIALIZER;
@@ -54,7 +61,9 @@ ctl_begin (char *err, size_t errlen)
   if (req)                      /* cache and req are open together */
     return true;
   pthread_rwlock_unlock (&state_lock);
-  snprintf (err, errlen, "the cache is not open");
+  snprintf (err, errlen, "the cache is not open: the cache of a bcache "
+            "backing device is opened at the first client connection, "
+            "which can read the device's superblock");
   return false;
 }
 
@@ -168,8 +177,9 @@ struct req_settings {
 };
 
 /* Open the cache for an export of size bytes whose identity is uuid
- * (zero: none yet), and its request layer and threads.  0, or -1 after
- * nbdkit_error, with cache and req NULL. */
+ * (zero: none yet; ignored for a backing device, bdev), and its request
+ * layer and threads.  0, or -1 after nbdkit_error, with cache and req
+ * NULL. */
 static int
 open_engine (const uint8_t uuid[16], uint64_t size,
              enum bcf_format_policy format, const struct req_settings *s)
@@ -185,8 +195,9 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   o.io_mode = cfg.io_mode;
   o.direct_off = !cfg.direct;
   o.format = format;
-  o.bucket_sectors = (unsigned) (cfg.bucket_size >> 9);
+  o.bucket_sectors = probe_format_bucket_sectors (verdict.size);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
+  o.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
   o.backing = (struct bcf_backing) { .ops = &open_ops, .opaque = &size };
   memcpy (o.backing_uuid, uuid, 16);
   /* The label is informational and truncated to its 32 bytes. */
@@ -196,6 +207,7 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   o.journal_delay_ms = cfg.journal_delay_ms;
   o.write_intent_off = !cfg.write_intent;
   o.log = engine_log;
+  o.bdev = bdev;
 
   r = bcf_cache_open (&o, &cache, err, sizeof err);
   if (r < 0) {
@@ -204,9 +216,14 @@ open_engine (const uint8_t uuid[16], uint64_t size,
       nbdkit_error ("bcachefilter: this cache belongs to another export; "
                     "give the right bcache-backing-uuid=, or "
                     "bcache-format=force to start an empty cache here");
+    else if (r == -ESTALE)
+      nbdkit_error ("bcachefilter: the export was resized since this cache "
+                    "was filled; bcache-format=force starts an empty cache "
+                    "for it");
     return -1;
   }
   ro.mode = s->mode;
+  ro.offset = data_offset;
   ro.sequential_cutoff = s->cutoff;
   ro.error_limit = cfg.error_limit;
   ro.error_halflife = cfg.error_halflife;
@@ -253,7 +270,8 @@ close_engine (void)
 
 /* The export's size, as the cache recorded it: known for a cache that
  * holds this export (the probe in .get_ready checked the uuid), not for
- * a new cache or one about to be formatted. */
+ * a new cache or one about to be formatted, nor for the cache of a bcache
+ * backing device (its entry records no size, as the kernel's do). */
 static bool
 recorded_size (uint64_t *size)
 {
@@ -263,6 +281,19 @@ recorded_size (uint64_t *size)
   *size = verdict.owner_bytes;
   return true;
 }
+
+/* A cache that holds an export whose identity only the export can tell:
+ * a backing device's entry (no size), whose uuid is in the device's
+ * superblock.  Opened at the first connection only (not without an
+ * export in .after_fork, as a new cache is: its slot is someone's). */
+static bool
+owner_unknown (void)
+{
+  return cfg.format != BCF_FORMAT_FORCE && verdict.kind == BCF_DEVICE_CACHE &&
+         verdict.has_owner && verdict.owner_bytes == 0;
+}
+
+
 
 /* ---- .after_fork ------------------------------------------------------------------ */
 
@@ -276,7 +307,12 @@ filter_after_fork (nbdkit_backend *backend)
 
   bk_background_init (backend);
   attached = recorded_size (&size);
-  if (open_engine (attached ? cfg.uuid : no_export, size, cfg.format, &s) < 0)
+  if (owner_unknown ())
+    nbdkit_debug ("bcachefilter: cache %s holds a bcache backing device's "
+                  "data: opened at the first connection, which can read "
+                  "the export's superblock", cfg.path);
+  else if (open_engine (attached ? cfg.uuid : no_export, size, cfg.format,
+                        &s) < 0)
     return -1;
   if (cfg.test_no_tracker)
     nbdkit_error ("bcachefilter: the in-flight write tracker is disabled "
@@ -290,37 +326,133 @@ filter_after_fork (nbdkit_backend *backend)
     }
     ctl_running = true;
   }
-  nbdkit_debug ("bcachefilter: cache %s open (%s%s), %s, mode %s", cfg.path,
-                bcf_cache_io_name (cache),
-                bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
-                attached ? "for the export it holds"
-                : "attached to its export at the first connection",
-                bcf_cache_mode_name (cfg.mode));
+  if (cache)
+    nbdkit_debug ("bcachefilter: cache %s open (%s%s), %s, mode %s",
+                  cfg.path, bcf_cache_io_name (cache),
+                  bcf_cache_io_direct (cache) ? ", O_DIRECT" : "",
+                  attached ? "for the export it holds"
+                  : "attached to its export at the first connection",
+                  bcf_cache_mode_name (cfg.mode));
   return 0;
 }
 
 /* ---- connections ------------------------------------------------------------------ */
 
-/* The first connection of a new cache: open it again for this export
- * (lifecycle.h), keeping what the control socket set meanwhile.  On
- * failure the server is shut down, as an open failure in .after_fork
- * would have stopped it. */
+/* Is the export a bcache backing device (with bcache-backing-device=
+ * auto)?  Then clients see its data region (data_offset), and its
+ * superblock's uuid is the export's identity: bcache-backing-uuid=, if
+ * given, must agree.  0 (bdev set if it is one), or -1 after
+ * nbdkit_error. */
 static int
-attach (uint64_t size)
+probe_backing_device (const struct bcf_backing *b)
+{
+  char err[512], have[37], want[37];
+  struct bch_sb sb;
+  int r;
+
+  if (!cfg.bdev_auto)
+    return 0;
+  r = bcf_bdev_probe (b, &bdev, err, sizeof err);
+  if (r < 0) {
+    nbdkit_error ("bcachefilter: %s.  To serve the export whole, as any "
+                  "other, give bcache-backing-device=never", err);
+    return -1;
+  }
+  if (r == 0)
+    return 0;
+  bcf_bdev_super (bdev, &sb);
+  bch_uuid_unparse (sb.uuid, have);
+  if (cfg.have_uuid && memcmp (sb.uuid, cfg.uuid, 16) != 0) {
+    bch_uuid_unparse (cfg.uuid, want);
+    nbdkit_error ("bcachefilter: bcache-backing-uuid=%s, but the export is "
+                  "bcache backing device %s, and its superblock is its "
+                  "identity: drop bcache-backing-uuid=, or give "
+                  "bcache-backing-device=never to serve the export whole",
+                  want, have);
+    bcf_bdev_free (bdev);
+    bdev = NULL;
+    return -1;
+  }
+  data_offset = bcf_bdev_data_offset (bdev);
+  nbdkit_debug ("bcachefilter: the export is bcache backing device %s "
+                "(state %s): serving its data from byte %" PRIu64, have,
+                bch_bdev_state_name (bch_bdev_state (&sb)), data_offset);
+  return 0;
+}
+
+/* After the cache is open for a backing device: mark the device attached
+ * to it, as the kernel's attach does (its superblock then names this
+ * cache set).  0, or -1 after nbdkit_error. */
+static int
+attach_backing_device (const struct bcf_backing *b)
+{
+  const uint8_t *set = bcf_cache_super (cache)->set_uuid;
+  char err[512], dev[37], was[37], now[37];
+  struct bch_sb sb;
+
+  bcf_bdev_super (bdev, &sb);
+  bch_uuid_unparse (sb.uuid, dev);
+  bch_uuid_unparse (sb.set_uuid, was);
+  bch_uuid_unparse (set, now);
+  /* Until writeback exists (issue 14), dirty data is served but never
+   * written back to such a device's state: let the kernel write it back
+   * first. */
+  if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OURS_DIRTY) {
+    nbdkit_error ("bcachefilter: backing device %s says that this cache "
+                  "(set %s) holds dirty data for it (a kernel's writeback "
+                  "cache), and the filter does not write dirty data back: "
+                  "let the kernel write it back first (echo writethrough "
+                  "> /sys/block/bcacheN/bcache/cache_mode, then wait until "
+                  "its state is clean)", dev, now);
+    return -1;
+  }
+  if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OTHER_CLEAN)
+    nbdkit_error ("bcachefilter: backing device %s was attached to cache "
+                  "set %s; it is now attached to this cache (set %s), and "
+                  "the copy of its data in set %s is out of date: do not "
+                  "attach it there again without detaching it there first",
+                  dev, was, now, was);
+  if (bcf_bdev_attach (bdev, b, set, err, sizeof err) < 0) {
+    nbdkit_error ("bcachefilter: attaching backing device %s to cache set "
+                  "%s: %s", dev, now, err);
+    return -1;
+  }
+  return 0;
+}
+
+/* The first connection: unless the cache was opened for the export it
+ * holds, learn from the export what only it can tell (lifecycle.h) and
+ * open the cache again for it, keeping what the control socket set
+ * meanwhile.  On failure the server is shut down, as an open failure in
+ * .after_fork would have stopped it. */
+static int
+first_connection (const struct bcf_backing *b, uint64_t size)
 {
   int r;
 
-  pthread_rwlock_wrlock (&state_lock);
-  {
-    const struct req_settings s = {
-      bcf_req_mode (req), bcf_req_sequential_cutoff (req),
-    };
+  /* A cache that recorded its export's size holds a plain export (a
+   * backing device's entry never records one): it is served as it was,
+   * whole, whatever the export begins with, and not read here. */
+  if (attached)
+    return 0;                   /* opened in .after_fork for this export */
+  r = probe_backing_device (b);
+  if (r == 0) {
+    struct req_settings s = { cfg.mode, (uint64_t) cfg.cutoff };
 
+    pthread_rwlock_wrlock (&state_lock);
+    if (req) {
+      s.mode = bcf_req_mode (req);
+      s.cutoff = bcf_req_sequential_cutoff (req);
+    }
     close_engine ();
     r = open_engine (cfg.uuid, size, BCF_FORMAT_NEVER, &s);
+    if (r == 0 && bdev && attach_backing_device (b) < 0) {
+      close_engine ();
+      r = -1;
+    }
+    attached = r == 0;
+    pthread_rwlock_unlock (&state_lock);
   }
-  attached = r == 0;
-  pthread_rwlock_unlock (&state_lock);
   if (r < 0) {
     nbdkit_error ("bcachefilter: the cache could not be attached to the "
                   "export; shutting down");
@@ -328,18 +460,28 @@ attach (uint64_t size)
     return -1;
   }
   nbdkit_debug ("bcachefilter: cache %s attached to the export (%" PRIu64
-                " bytes)", cfg.path, size);
+                " bytes%s)", cfg.path, size,
+                bdev ? ", a bcache backing device" : "");
   return 0;
 }
 
 int
-lifecycle_check_export (int64_t size)
+lifecycle_check_export (nbdkit_next *next)
 {
+  int64_t size = next->get_size (next);
   int r = 0;
 
+  if (size == -1)
+    return -1;
   pthread_mutex_lock (&attach_lock);
-  if (!attached && req)
-    r = attach ((uint64_t) size);
+  if (!first_seen) {
+    struct bk k;
+    struct bcf_backing b;
+
+    bk_init (&k, &b, next, 0);
+    r = first_connection (&b, (uint64_t) size);
+    first_seen = true;
+  }
   pthread_mutex_unlock (&attach_lock);
   if (r < 0)
     return -1;
@@ -358,6 +500,12 @@ lifecycle_check_export (int64_t size)
   return 0;
 }
 
+uint64_t
+lifecycle_data_offset (void)
+{
+  return data_offset;
+}
+
 /* ---- .cleanup --------------------------------------------------------------------- */
 
 void
@@ -368,6 +516,8 @@ filter_cleanup (nbdkit_backend *backend)
     ctl_running = false;
   }
   close_engine ();
+  bcf_bdev_free (bdev);         /* the cache, which used it, is closed */
+  bdev = NULL;
   bk_background_close ();       /* after the writeback thread stopped */
   bcf_claim_release (claim);
   claim = NULL;

@@ -32,7 +32,22 @@
  *     first connection's .prepare attaches it to its export: close and
  *     open again with the export's identity and size, which claims uuid
  *     slot 0 (core/super.c).  Other connections wait for that in their
- *     .prepare.
+ *     .prepare.  A failure there shuts the server down, with the reason
+ *     in the log;
+ *   - a bcache backing device is known only from the export itself: with
+ *     bcache-backing-device=auto the first connection of such a cache
+ *     reads the export's first 8 KiB (bcf_bdev_probe).  A backing
+ *     superblock there makes the device's uuid the identity and its data
+ *     region what the clients see (data_offset: .get_size and block
+ *     status are shifted, and the request layer adds it to every
+ *     request, so keys are at the device's sectors, as the kernel's
+ *     are); the device is marked attached once the cache is open
+ *     (core/bdev.c).  A cache that holds a backing device's data (its
+ *     entry records no size) is not opened at all before that
+ *     connection, as its slot is someone's: until then the control
+ *     socket answers that the cache is not open.  A cache that recorded
+ *     its export's size holds a plain export, served whole as before,
+ *     without that read.
  * The writeback thread, which has no connection, reaches the export
  * through a shared context of the filter's own (bk_background,
  * backing.c), opened when it is first used: with the nbd plugin that
@@ -62,9 +77,14 @@ extern struct bcf_req *req;
 int filter_get_ready (int thread_model);
 int filter_after_fork (nbdkit_backend *backend);
 void filter_cleanup (nbdkit_backend *backend);
-/* .prepare: this connection's export has size bytes.  Attach a new cache
- * to it (the first time), then check that it is the export the cache
- * serves.  0, or -1 after nbdkit_error said why not. */
-int lifecycle_check_export (int64_t size);
+/* .prepare: the first connection attaches a new cache to its export
+ * (and learns whether that is a bcache backing device); every connection
+ * then checks that its export is the one the cache serves.  0, or -1
+ * after nbdkit_error said why not. */
+int lifecycle_check_export (nbdkit_next *next);
+/* Where the clients' bytes begin in the export: a bcache backing
+ * device's data offset, else 0.  Constant once a connection passed
+ * .prepare. */
+uint64_t lifecycle_data_offset (void);
 
 #endif /* BCACHEFILTER_PLUGIN_LIFECYCLE_H */

@@ -17,6 +17,7 @@ struct filter_config cfg = {
   .mode = BCF_MODE_WRITETHROUGH,
   .cutoff = DEFAULT_CUTOFF,
   .direct = true,
+  .bdev_auto = true,
   .write_intent = true,
 };
 
@@ -177,6 +178,19 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       return -1;
     }
     cfg.have_uuid = true;
+  }
+  else if (strcmp (key, "bcache-backing-device") == 0) {
+    if (strcmp (value, "auto") == 0)
+      cfg.bdev_auto = true;
+    else if (strcmp (value, "never") == 0)
+      cfg.bdev_auto = false;
+    else {
+      nbdkit_error ("bcache-backing-device=%s: use auto (an export that "
+                    "begins with a bcache backing superblock is served as "
+                    "the kernel's bcache serves it) or never (every export "
+                    "is served whole)", value);
+      return -1;
+    }
   }
   else if (strcmp (key, "bcache-io") == 0) {
     if (strcmp (value, "uring") == 0)

@@ -31,6 +31,7 @@ struct filter_config {
   int64_t cutoff;                       /* bcache-sequential-cutoff= */
   bool have_uuid;
   uint8_t uuid[16];                     /* bcache-backing-uuid=, or derived */
+  bool bdev_auto;                       /* bcache-backing-device=auto */
   enum bcf_io_mode io_mode;             /* bcache-io= */
   bool direct;                          /* bcache-direct= */
   const char *ctl_path;                 /* bcache-ctl= */
@@ -61,6 +62,7 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \
   "bcache-backing-uuid=UUID    identity of the export in the cache\n" \
+  "bcache-backing-device=auto|never  serve a bcache backing device's data\n" \
   "bcache-io=uring|sync|auto   cache device I/O (auto)\n" \
   "bcache-direct=BOOL          use O_DIRECT on the cache (true)\n" \
   "bcache-ctl=PATH             control socket (bcachefilter-ctl)\n" \

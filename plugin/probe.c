@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -15,22 +16,35 @@
 #include "params.h"
 #include "probe.h"
 
-#define MIN_BUCKETS 128
+unsigned
+probe_format_bucket_sectors (uint64_t size)
+{
+  return cfg.bucket_size ? (unsigned) (cfg.bucket_size >> BCH_SECTOR_SHIFT)
+    : bch_default_bucket_sectors (size >> BCH_SECTOR_SHIFT,
+                                  (unsigned) (cfg.block_size >> 9));
+}
 
-/* Can a cache of size bytes be formatted with the configured geometry?
- * (bcache needs at least 128 buckets.) */
+/* Can a cache of size bytes be formatted with the configured geometry,
+ * so that the Linux kernel could register it (more than 512 buckets,
+ * BCH_KERNEL_MIN_NBUCKETS)?  Without bcache-bucket-size the engine
+ * picks smaller buckets for a small cache (bch_default_bucket_sectors),
+ * with a warning. */
 static int
 check_format_size (uint64_t size, const char *what)
 {
-  uint64_t bucket = cfg.bucket_size ? (uint64_t) cfg.bucket_size : 512 * 1024;
+  uint64_t bucket = (uint64_t) probe_format_bucket_sectors (size)
+                    << BCH_SECTOR_SHIFT;
+  uint64_t need = BCH_KERNEL_MIN_NBUCKETS * bucket;
 
-  if (size / bucket >= MIN_BUCKETS)
+  if (size / bucket >= BCH_KERNEL_MIN_NBUCKETS)
     return 0;
   nbdkit_error ("%s (%" PRIu64 " bytes) is too small for a cache: it needs "
-                "at least %d buckets of %" PRIu64 " KiB, that is %" PRIu64
-                " MiB; give a larger size, or a smaller bcache-bucket-size",
-                what, size, MIN_BUCKETS, bucket >> 10,
-                MIN_BUCKETS * bucket >> 20);
+                "more than 512 buckets (the Linux kernel registers no "
+                "smaller cache), and %" PRIu64 " buckets of %" PRIu64
+                " KiB take %" PRIu64 " bytes%s", what, size,
+                (uint64_t) BCH_KERNEL_MIN_NBUCKETS, bucket >> 10, need,
+                cfg.bucket_size ? "; give a larger size, or a smaller "
+                "bcache-bucket-size" : "; give a larger size");
   return -1;
 }
 
@@ -104,21 +118,29 @@ claim_cache_device (struct bcf_claim **claim)
 }
 
 /* A cache of another export: refused (DESIGN.md "One writer per cache,
- * one cache per export"). */
+ * one cache per export").  An entry that records no size is a bcache
+ * backing device's (the kernel's, or ours for an export that is one).
+ * If the export may be one too (bcache-backing-device=auto), its uuid
+ * comes from the export's superblock, which only a connection can read:
+ * compared then (lifecycle.c). */
 static int
 check_owner (const struct bcf_device_verdict *v)
 {
-  char have[37], want[37];
+  char have[37], want[37], size[64] = "size not recorded: a bcache "
+    "backing device's";
 
-  if (!v->has_owner || memcmp (v->owner_uuid, cfg.uuid, 16) == 0)
+  if (!v->has_owner || memcmp (v->owner_uuid, cfg.uuid, 16) == 0 ||
+      (v->owner_bytes == 0 && cfg.bdev_auto))
     return 0;
   bch_uuid_unparse (v->owner_uuid, have);
   bch_uuid_unparse (cfg.uuid, want);
-  nbdkit_error ("bcache=%s caches another export (uuid %s, %" PRIu64
-                " bytes), not this one (uuid %s%s%s).  Give that export's "
+  if (v->owner_bytes)
+    snprintf (size, sizeof size, "%" PRIu64 " bytes", v->owner_bytes);
+  nbdkit_error ("bcache=%s caches another export (uuid %s, %s), not this "
+                "one (uuid %s%s%s).  Give that export's "
                 "bcache-backing-uuid= if it is the same export under a new "
                 "name, or bcache-format=force to start an empty cache for "
-                "this one", cfg.path, have, v->owner_bytes, want,
+                "this one", cfg.path, have, size, want,
                 cfg.have_uuid ? "" : ", derived from ",
                 cfg.have_uuid ? "" : (cfg.id_any ? cfg.id_text
                                       : "no parameters"));
@@ -148,6 +170,15 @@ judge (const struct bcf_device_verdict *v)
       nbdkit_error ("bcache=%s was made by make-bcache but never "
                     "registered, and bcache-format=never forbids "
                     "initialising it", cfg.path);
+      return -1;
+    }
+    if (v->sb.nbuckets < BCH_KERNEL_MIN_NBUCKETS) {
+      nbdkit_error ("bcache=%s was made by make-bcache with %" PRIu64
+                    " buckets, but the Linux kernel registers no cache "
+                    "with 512 buckets or fewer; make it again with "
+                    "smaller buckets (make-bcache -b), or give "
+                    "bcache-format=force to format it with more",
+                    cfg.path, v->sb.nbuckets);
       return -1;
     }
     return 0;

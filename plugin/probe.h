@@ -21,4 +21,11 @@
  * after nbdkit_error said why the cache cannot be used. */
 int probe_cache (struct bcf_claim **claim, struct bcf_device_verdict *v);
 
+/* The bucket size (sectors) a format of a device of size bytes gets:
+ * bcache-bucket-size=, or the engine's default, which shrinks on a small
+ * device so that the Linux kernel can register the cache (more than 512
+ * buckets).  The filter passes it to the engine itself: the default is
+ * not a warning for an operator (nothing in the log but debug lines). */
+unsigned probe_format_bucket_sectors (uint64_t size);
+
 #endif /* BCACHEFILTER_PLUGIN_PROBE_H */

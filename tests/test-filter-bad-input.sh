@@ -99,6 +99,8 @@ refuse cutoff 'bcache-sequential-cutoff' bcache="$c" bcache-size=64M \
     bcache-sequential-cutoff=lots
 refuse format 'bcache-format' bcache="$c" bcache-size=64M bcache-format=maybe
 refuse io 'bcache-io' bcache="$c" bcache-size=64M bcache-io=carrier-pigeon
+refuse backingdev 'bcache-backing-device' bcache="$c" bcache-size=64M \
+    bcache-backing-device=maybe
 refuse direct 'bcache-direct' bcache="$c" bcache-size=64M bcache-direct=maybe
 refuse uuid 'bcache-backing-uuid' bcache="$c" bcache-size=64M \
     bcache-backing-uuid=not-a-uuid
@@ -342,7 +344,7 @@ start_remote_named erem --filter=error memory 32M error=EIO \
     error-extents-rate=10% error-file="$trigger"
 I=("$PYTHON" "$filterdir/integrity.py" --shadow "$d/eshadow"
    --uncertain "$d/euncertain" --threads 4)
-start_proxy p remote="$erem_sock" bcache="$d/errcache" bcache-size=64M \
+start_proxy p remote="$erem_sock" bcache="$d/errcache" bcache-size=128M \
     bcache-bucket-size=128K
 timeout 120 "${I[@]}" --sock "$p_sock" --init --seed "$seed" --ops 100 ||
     fail "the workload without errors failed (seed $seed)"

@@ -7,7 +7,8 @@
 #         exists (error-file=).  The test also reads and writes the
 #         remote directly, with the trigger removed.
 # proxy:  nbdkit --filter=bcachefilter nbd socket=REMOTE, a 16 MiB cache
-#         file (32 KiB buckets, 4 KiB blocks) with a control socket.
+#         file (16 KiB buckets, 4 KiB blocks: 1024, more than the 512
+#         the Linux kernel needs) with a control socket.
 #
 # For each mode in $modes a session (tests/filter/faults.py, the model
 # in tests/filter/shadow.py):
@@ -75,7 +76,7 @@ faults --mode writethrough --init --seed "$seed"
 n=0
 for mode in $modes; do
     n=$((n + 1))
-    p=(bcache="$cache" bcache-size=16M bcache-bucket-size=32K
+    p=(bcache="$cache" bcache-size=16M bcache-bucket-size=16K
        bcache-block-size=4k bcache-mode="$mode" bcache-ctl="$ctl")
     rm -f "$ctl"
     start_proxy p "${p[@]}"

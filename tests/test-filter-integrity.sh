@@ -4,8 +4,9 @@
 #
 # remote: nbdkit memory 16M on a unix socket (it outlives the proxies).
 # proxy:  nbdkit --filter=bcachefilter nbd socket=REMOTE bcache=CACHE,
-#         an 8 MiB cache file of 32 KiB buckets (smaller than the export,
-#         so buckets are reused and GC runs), with a control socket: the
+#         an 8 MiB cache file of 8 KiB buckets (smaller than the export,
+#         so buckets are reused and GC runs; more than 512 buckets, as
+#         every cache made must have), with a control socket: the
 #         hit counters are printed after each session, and the test
 #         checks that the cache served hits at all (a pass-through filter
 #         would pass everything else).
@@ -67,7 +68,7 @@ show_stats ()
 
 first=--init
 for mode in writethrough writearound none; do
-    p=(bcache="$cache" bcache-size=8M bcache-bucket-size=32K
+    p=(bcache="$cache" bcache-size=8M bcache-bucket-size=8K
        bcache-mode=$mode bcache-ctl="$d/ctl")
 
     # (The first session of a mode follows a kill -9 of the previous one.)

@@ -126,7 +126,14 @@ wait "$race1" "$race2" 2>/dev/null || true
 nbdkit -U "$d/bg.sock" -P "$d/bg.pid" \
     --filter="$BCACHEFILTER_SO" nbd socket="$remote_sock" \
     bcache="$d/cache" bcache-sequential-cutoff=0
+# The daemon writes its pid file once it serves, after .after_fork (which
+# reads the export): the parent has returned before that.
+for (( i = 0; i < 600; i++ )); do
+    [ -s "$d/bg.pid" ] && break
+    sleep 0.1
+done
 bg=$(cat "$d/bg.pid")
+test -n "$bg" || fail "the daemonized proxy wrote no pid file within 60 s"
 cleanup_fn kill "$bg"
 must_refuse "$d/second.log" "in use by another process: pid $bg " \
     --filter="$BCACHEFILTER_SO" nbd socket="$remote_sock" \

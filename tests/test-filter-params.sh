@@ -20,7 +20,8 @@ cat "$d/help"
 
 for p in bcache bcache-size bcache-format bcache-mode bcache-bucket-size \
          bcache-block-size bcache-sequential-cutoff bcache-backing-uuid \
-         bcache-io bcache-direct bcache-ctl bcache-node-cache \
+         bcache-backing-device bcache-io bcache-direct bcache-ctl \
+         bcache-node-cache bcache-journal-delay bcache-write-intent \
          bcache-error-limit bcache-error-halflife \
          bcache-test-disable-tracker; do
     # "NAME=VALUE   description" at the start of a line.

@@ -11,8 +11,8 @@
 #         several replies to it are being sent, and a kill -9 of the proxy
 #         is such a client.
 # proxy:  nbdkit --filter=bcachefilter nbd socket=REMOTE, one 8 MiB cache
-#         file (32 KiB buckets, 4 KiB blocks: 256 buckets and a 512 KiB
-#         journal) in front of the 32 MiB export, so that buckets are
+#         file (8 KiB buckets, 4 KiB blocks: 1024 buckets, more than the
+#         512 the Linux kernel needs, and a 64 KiB journal) in front of the 32 MiB export, so that buckets are
 #         reclaimed, GC runs and the journal fills (checkpoints) many
 #         times a second; each round picks a journal delay (1, 10 or 100
 #         ms), a sequential cutoff (4M or 64K) and the cache I/O (io_uring
@@ -189,7 +189,7 @@ for mode in $modes; do
         cutoff=$(( RANDOM % 3 == 0 ? 65536 : 4194304 ))
         if [ $((RANDOM % 2)) -eq 0 ]; then io=auto; else io=sync; fi
         rm -f "$ctl" "$d/started"
-        start_proxy p bcache="$cache" bcache-size=8M bcache-bucket-size=32K \
+        start_proxy p bcache="$cache" bcache-size=8M bcache-bucket-size=8K \
             bcache-block-size=4k bcache-mode="$mode" bcache-ctl="$ctl" \
             bcache-journal-delay="$jdelay" bcache-sequential-cutoff="$cutoff" \
             bcache-io="$io"

@@ -10,6 +10,10 @@
 #   percentages.
 # - A device made by make-bcache -C is initialised with its own geometry
 #   and uuids.
+# - No cache the Linux kernel would not register is made: it needs more
+#   than 512 buckets.  Without --bucket-size a small device gets smaller
+#   buckets (with a warning); with one, or for a make-bcache device made
+#   that small, the format is refused (status 4).
 # - What must be refused is refused, with exit status and message as in
 #   bcachefilter-format(1): a live cache (status 3), random data, data
 #   past a zero superblock, a backing device (status 2) — each message
@@ -136,11 +140,11 @@ img="$d/cache.img"
 # ------------------------------------------------------------------------
 # Several bucket and block sizes.  (A block size below the logical block
 # size of the filesystem under $TMPDIR is refused with status 4: then that
-# geometry is skipped.)  The 2 GiB one with 16 MiB buckets also prints the
-# progress line for devices over 1 GiB.
+# geometry is skipped.)  The 9 GiB one with 16 MiB buckets also prints the
+# progress line for devices over 1 GiB.  Each has more than 512 buckets.
 
-for geometry in "256M 512k 4k" "512M 1M 512" "64M 64k 2k" \
-                "100000000 128k 1k" "40M 4k 4k" "2G 16M 4k"; do
+for geometry in "257M 512k 4k" "1G 1M 512" "64M 64k 2k" \
+                "100000000 128k 1k" "40M 4k 4k" "9G 16M 4k"; do
     read -r size bucket block <<< "$geometry"
     rm -f "$img"
     truncate -s "$size" "$img"
@@ -181,12 +185,51 @@ done
 
 # The default geometry (512 KiB buckets), and the replacement policy.
 rm -f "$img"
-truncate -s 256M "$img"
+truncate -s 512M "$img"
 expect 0 "replacement:      fifo" bcachefilter-format --replacement fifo "$img"
 grep -qF "bucket size:      512 KiB (1024 sectors)" "$d/out"
+! grep -q "instead of the default" "$d/err" || fail "a warning for a large device"
 bcache-super-show "$img" | grep -q '^dev.cache.replacement[[:space:]]*1 \[fifo\]$' ||
     fail "bcache-super-show does not see the fifo policy"
-check_cache "$img" 512
+check_cache "$img" 1024
+
+# A small device gets smaller buckets by default, and says so: 256 MiB
+# would be 512 buckets of 512 KiB, which the kernel does not register.
+rm -f "$img"
+truncate -s 256M "$img"
+expect 0 "bucket size:      256 KiB (512 sectors)" bcachefilter-format "$img"
+grep -qF "warning: $img: 268435456 bytes: formatting with buckets of 256 KiB instead of the default 512 KiB" "$d/err" ||
+    fail "no warning about the smaller buckets"
+check_cache "$img" 1024
+rm -f "$img"
+truncate -s 16M "$img"
+expect 0 "bucket size:      16 KiB (32 sectors)" bcachefilter-format "$img"
+check_cache "$img" 1024
+# An explicit bucket size that leaves 512 buckets or fewer is refused,
+# and the device left as it was.
+rm -f "$img"
+truncate -s 256M "$img"
+expect 4 "a cache of 512 buckets of 512 KiB is too small for the Linux kernel, which registers none with 512 buckets or fewer" \
+       bcachefilter-format --bucket-size 512k "$img"
+grep -qF "give a larger device or smaller buckets" "$d/err"
+cmp "$img" <(head -c 256M /dev/zero) || fail "a refused format changed the device"
+expect 4 "512 buckets or fewer" bcachefilter-format --force --bucket-size 512k "$img"
+# Too small even for 4 KiB buckets.
+rm -f "$img"
+truncate -s 2M "$img"
+expect 4 "a cache of 512 buckets of 4 KiB is too small" bcachefilter-format "$img"
+grep -qF "give a larger device" "$d/err"
+# A make-bcache device with too few buckets is not initialised as it is
+# (the kernel would refuse it); --force formats it with more.
+rm -f "$img"
+truncate -s 128M "$img"
+make-bcache -C -b 512k "$img" > /dev/null
+expect 4 "make it again with smaller buckets (make-bcache -b)" \
+       bcachefilter-format "$img"
+bcache-super-show "$img" | grep -q '^sb.version[[:space:]]*0 ' ||
+    fail "a refused make-bcache device was changed"
+expect 0 "bucket size:      128 KiB (256 sectors)" bcachefilter-format --force "$img"
+check_cache "$img" 1024
 
 # ------------------------------------------------------------------------
 # A second format without --force is refused, and changes nothing.
@@ -202,7 +245,7 @@ old_set="$(bcachefilter-show --json "$img" |
            python3 -c 'import json,sys; print(json.load(sys.stdin)["cset"]["uuid"])')"
 expect 0 "set uuid:" bcachefilter-format --force "$img"
 test "$(summary_field 'set uuid')" != "$old_set" || fail "--force kept the cache set"
-check_cache "$img" 512
+check_cache "$img" 1024
 
 # ------------------------------------------------------------------------
 # Data that is not a bcache cache: refused with status 2, unchanged.
@@ -213,21 +256,21 @@ expect 2 "not a bcache cache device" bcachefilter-format "$d/random.img"
 grep -qF -- "--force" "$d/err" || fail "the refusal does not name --force"
 cmp "$d/random.img" "$d/before.img" || fail "a refused format changed the file"
 # ... and formatted with --force.
-truncate -s 256M "$d/random.img"
+truncate -s 512M "$d/random.img"
 expect 0 "set uuid:" bcachefilter-format --force "$d/random.img"
-check_cache "$d/random.img" 512
+check_cache "$d/random.img" 1024
 
 # Zeroes where the superblock goes, but data further on (a filesystem
 # signature past 8 KiB, as btrfs keeps at 64 KiB).
 rm -f "$img"
-truncate -s 256M "$img"
+truncate -s 512M "$img"
 printf '_BHRfS_M' | dd of="$img" bs=1 seek=$((65536 + 64)) conv=notrunc status=none
 expect 2 "byte 65600 is not" bcachefilter-format "$img"
 grep -qF -- "use --force" "$d/err"
 # The same near the end (an md superblock, a GPT backup header).
 rm -f "$img"
-truncate -s 256M "$img"
-printf 'EFI PART' | dd of="$img" bs=1 seek=$((256 * 1024 * 1024 - 512)) conv=notrunc status=none
+truncate -s 512M "$img"
+printf 'EFI PART' | dd of="$img" bs=1 seek=$((512 * 1024 * 1024 - 512)) conv=notrunc status=none
 expect 2 "not blank" bcachefilter-format "$img"
 expect 0 "set uuid:" bcachefilter-format -f "$img"
 
@@ -286,13 +329,14 @@ expect 0 "--size is ignored" bcachefilter-format --force --size 128M "$img"
 test "$(stat -c %s "$img")" = $((64 << 20))
 
 rm -f "$img"
-expect 4 "at least 128" bcachefilter-format --size 16M "$img"
+expect 4 "512 buckets or fewer" bcachefilter-format --size 16M --bucket-size 64k "$img"
 grep -qF "removed the file created for it" "$d/err"
 test ! -e "$img"
 
 # Too small for its geometry (an existing file is kept).
 truncate -s 16M "$img"
-expect 4 "a cache needs at least 128 buckets" bcachefilter-format "$img"
+expect 4 "a cache of 256 buckets of 64 KiB is too small" \
+       bcachefilter-format --bucket-size 64k "$img"
 test -e "$img"
 
 # ------------------------------------------------------------------------
@@ -325,7 +369,7 @@ expect 1 "--size 0: must not be zero" bcachefilter-format --size 0 "$img"
 # Sizes with units are accepted in every spelling.
 rm -f "$img"
 expect 0 "bucket size:      1 MiB (2048 sectors)" \
-       bcachefilter-format --size 256MiB --bucket-size 1MiB --block-size 4K "$img"
+       bcachefilter-format --size 520MiB --bucket-size 1MiB --block-size 4K "$img"
 
 # bcachefilter-show: modes are exclusive; --force is for the superblock.
 expect 1 "--journal and --fsck: choose one mode" \

@@ -147,13 +147,13 @@ j = json.load(open(sys.argv[1]))
 print(eval(sys.argv[2]))' "$1" "$2" || fail "$1: '$2' fails"
 }
 
-# A fresh, formatted cache: 256 MiB, 512 KiB buckets, 4 KiB blocks.
+# A fresh, formatted cache: 512 MiB, 512 KiB buckets, 4 KiB blocks.
 # Sets $bb (bucket bytes), $bs (block bytes), $bsec (bucket sectors),
 # and from the newest journal entry $root (the root node's bucket),
 # $root_ptr (its raw pointer), $prio (the prio bucket), $jb/$joff (where
 # the newest entry is) and $seq / $last_seq.
 good="$d/good.img"
-truncate -s 256M "$good"
+truncate -s 512M "$good"
 bcachefilter-format --bucket-size 512k --block-size 4k "$good"
 bb=524288 bs=4096 bsec=1024
 img="$d/cache.img"
@@ -202,7 +202,7 @@ expect 0 "sb.magic" bcachefilter-show "$img"
 # covered by any checksum) is harmless.
 fresh
 edit flip "$img" $((root * bb + 100))
-expect 0 "clean: 1 nodes, 0 keys, 512 buckets checked" \
+expect 0 "clean: 1 nodes, 0 keys, 1024 buckets checked" \
        bcachefilter-show --fsck "$img"
 
 # ------------------------------------------------------------------------
@@ -293,7 +293,7 @@ edit node-append "$img" $((root * bb)) "$root_ptr" "$bcset" "$written" \
 
 expect 8 "problem: live extent 64+8 points into metadata bucket $prio" \
        bcachefilter-show --fsck "$img"
-grep -qF "fsck found 1 problem in 1 nodes, 2 keys, 512 buckets" "$d/err"
+grep -qF "fsck found 1 problem in 1 nodes, 2 keys, 1024 buckets" "$d/err"
 expect 8 '"status": "inconsistent"' bcachefilter-show --fsck --json "$img"
 test "$(jget "$d/out" 'j["problems"]')" = \
      "['live extent 64+8 points into metadata bucket $prio']"

@@ -35,6 +35,11 @@
  *      format attaches no export, so uuid slot 0 stays unclaimed and the
  *      first open by the filter claims it (core/super.c open_existing).
  *      Then bcf_cache_close, which checkpoints.
+ *      The engine is asked for a cache the Linux kernel can register
+ *      (opts.min_buckets: more than 512 buckets), so it refuses to make,
+ *      or to initialise a make-bcache device into, a smaller one; without
+ *      --bucket-size its default bucket size shrinks on a small device to
+ *      make that so, with a warning.
  *   4. summary: the superblock is read back with bch_sb_decode and shown.
  *
  * A file this tool created (--size) is removed again if formatting fails.
@@ -46,8 +51,9 @@
  *      bcache backing device, a damaged bcache superblock); --force
  *   3  DEVICE already holds a bcache cache (a live one, or one made by
  *      make-bcache with another geometry than asked for); --force
- *   4  DEVICE cannot hold a cache with this geometry (too small, block
- *      size below the device's logical block size, ...)
+ *   4  DEVICE cannot hold a cache with this geometry (too small: the
+ *      kernel needs more than 512 buckets; block size below the device's
+ *      logical block size, ...)
  *   5  DEVICE cannot be opened, created, read or written, is in use
  *      by another process (a running proxy), or another error
  */
@@ -512,6 +518,19 @@ check_make_bcache (const struct options *o, const struct existing *ex)
   return EXIT_BCACHE;
 }
 
+/* The bucket size a new format of bytes gets: --bucket-size, or the
+ * engine's default, which shrinks on small devices so that the cache has
+ * more than 512 buckets (bch_default_bucket_sectors). */
+static uint64_t
+format_bucket_bytes (const struct options *o, uint64_t bytes)
+{
+  if (o->bucket_bytes)
+    return o->bucket_bytes;
+  return (uint64_t) bch_default_bucket_sectors (
+           bytes / BCH_SECTOR_SIZE,
+           (unsigned) (o->block_bytes / BCH_SECTOR_SIZE)) * BCH_SECTOR_SIZE;
+}
+
 /* ------------------------------------------------------------------------
  * Formatting through the engine
  * ------------------------------------------------------------------------ */
@@ -717,7 +736,7 @@ main (int argc, char *argv[])
   /* The progress line, for large devices. */
   {
     uint64_t bytes = ex.kind == EX_MISSING ? o.size : ex.bytes;
-    uint64_t bucket = o.bucket_bytes ? o.bucket_bytes : 512 * 1024;
+    uint64_t bucket = format_bucket_bytes (&o, bytes);
     uint64_t nb;
     char h[32];
 
@@ -740,6 +759,7 @@ main (int argc, char *argv[])
   opts.format = o.force ? BCF_FORMAT_FORCE : BCF_FORMAT_AUTO;
   opts.bucket_sectors = (unsigned) (o.bucket_bytes / BCH_SECTOR_SIZE);
   opts.block_sectors = (unsigned) (o.block_bytes / BCH_SECTOR_SIZE);
+  opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
   opts.replacement = o.replacement >= 0 ? (unsigned) o.replacement
                                         : BCH_REPLACEMENT_LRU;
   opts.backing.ops = &null_backing;

@@ -37,6 +37,7 @@ extern "C" {
 
 struct bcf_cache;
 struct bcf_claim;
+struct bcf_bdev;
 
 /* What to do with a device that holds no usable cache. */
 enum bcf_format_policy {
@@ -72,14 +73,34 @@ struct bcf_cache_opts {
   unsigned bucket_sectors;        /* for formatting; 0 = 1024 (512 KiB) */
   unsigned block_sectors;         /* for formatting; 0 = device's */
   unsigned replacement;           /* enum bch_replacement, for formatting */
+  /* Refuse to format a cache of fewer buckets than this, or to initialise
+   * a make-bcache device of fewer into one: BCH_KERNEL_MIN_NBUCKETS asks
+   * for a cache the Linux kernel can register.  0: bcache's own minimum,
+   * 128 (tests use small caches).  Existing caches open whatever their
+   * size. */
+  unsigned min_buckets;
 
   struct bcf_backing backing;
-  /* Identity of the backing export, recorded in the uuid entry.  A cache
-   * holding another export (uuid or size) is refused unless
-   * discard_foreign is set and it holds no dirty data. */
+  /* Identity of the backing export, recorded in the uuid entry (slot 0)
+   * with its size.  A cache holding another export (another uuid, or the
+   * same one recorded with another size) is refused unless
+   * discard_foreign is set and it holds no dirty data.  A size of 0 in
+   * the entry means "not recorded" (the kernel leaves it 0 for backing
+   * devices): then only the uuid is compared. */
   uint8_t backing_uuid[16];
   char backing_label[32];
   bool discard_foreign;
+  /* The export is a bcache backing device (bcachefilter/bdev.h, from
+   * bcf_bdev_probe): its superblock's uuid and label are the identity
+   * (backing_uuid and backing_label are not used), its uuid entry records
+   * no size (as the kernel's), and its slot in the uuid array is chosen
+   * as the kernel's attach chooses it (bcf_bdev_pick_slot), keeping the
+   * other slots.  A device that a cache set holds dirty data for is
+   * refused before anything is written, unless that set is this cache.
+   * The caller marks the device attached after the open
+   * (bcf_bdev_attach).  NULL: a plain export.  Must stay valid while the
+   * cache is open. */
+  struct bcf_bdev *bdev;
 
   size_t node_cache_bytes;        /* memory bound of the btree node cache;
                                      0 = 256 MiB */
@@ -141,9 +162,10 @@ void bcf_release_memory (void);
 
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
 /* The export an opened cache holds, as its uuid entry recorded it at
- * open (uuid and size in bytes); false for a cache that holds none yet.
- * A read-only open (which has no export to compare) uses it to check
- * the identity early. */
+ * open (uuid and size in bytes, 0 if the entry records no size); false
+ * for a cache that holds none yet.  A read-only open (which has no export
+ * to compare) reports slot 0, and uses this to check the identity
+ * early. */
 bool bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
                       uint64_t *bytes);
 /* The superblock as it is on disk now (read-only view). */

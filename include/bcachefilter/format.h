@@ -200,8 +200,84 @@ enum bch_status bch_sb_validate (const struct bch_sb *sb,
                                  struct bch_diag *diag);
 
 /* Encode into buf (BCH_SB_AREA_SIZE bytes, fully written, unused bytes
- * zero) and set the checksum.  The csum field of *sb is ignored. */
+ * zero) and set the checksum.  The csum field of *sb is ignored.  Also
+ * for a backing superblock from bch_bdev_sb_decode, which keeps every
+ * field this writes. */
 void bch_sb_encode (const struct bch_sb *sb, void *buf);
+
+/* ------------------------------------------------------------------------
+ * Backing-device superblock (make-bcache -B): the same struct
+ * cache_sb_disk at byte 4096, versions 1, 4 and 6.  Decoded into struct
+ * bch_sb, where the field at byte 184 (nbuckets) is data_offset.
+ * ------------------------------------------------------------------------ */
+
+/* Data starts here (sectors) on a version 1 backing device, and at least
+ * here on the others (BDEV_DATA_START_DEFAULT). */
+#define BCH_BDEV_DATA_START_DEFAULT 16u
+
+/* Backing-device flags: bits 0-3 cache mode, bits 61-62 state. */
+#define BCH_BDEV_CACHE_MODE_MASK  0xfull
+#define BCH_BDEV_STATE_SHIFT      61
+#define BCH_BDEV_STATE_MASK       (3ull << BCH_BDEV_STATE_SHIFT)
+enum bch_bdev_cache_mode {
+  BCH_BDEV_MODE_WRITETHROUGH = 0,
+  BCH_BDEV_MODE_WRITEBACK = 1,
+  BCH_BDEV_MODE_WRITEAROUND = 2,
+  BCH_BDEV_MODE_NONE = 3,
+};
+/* BDEV_STATE (research/bcache.md §1.2, §2.5): none = attached to no
+ * cache set (set_uuid means nothing then: make-bcache -B fills it with a
+ * random uuid); clean = attached to cache set set_uuid, which holds no
+ * dirty data for it; dirty = that cache set holds data for it that the
+ * device does not have yet; stale = treated as none. */
+enum bch_bdev_state {
+  BCH_BDEV_STATE_NONE = 0,
+  BCH_BDEV_STATE_CLEAN = 1,
+  BCH_BDEV_STATE_DIRTY = 2,
+  BCH_BDEV_STATE_STALE = 3,
+};
+
+static inline unsigned
+bch_bdev_state (const struct bch_sb *sb)
+{
+  return (unsigned) ((sb->flags & BCH_BDEV_STATE_MASK) >> BCH_BDEV_STATE_SHIFT);
+}
+
+static inline unsigned
+bch_bdev_cache_mode (const struct bch_sb *sb)
+{
+  return (unsigned) (sb->flags & BCH_BDEV_CACHE_MODE_MASK);
+}
+
+/* "none", "clean", "dirty", "stale" (never NULL). */
+const char *bch_bdev_state_name (unsigned state);
+
+/* Where the data begins, in sectors: 16 for version 1, else the stored
+ * data_offset. */
+uint64_t bch_bdev_data_offset (const struct bch_sb *sb);
+
+/* Decode and validate the 4096-byte area at byte 4096 of a backing
+ * device, as the kernel's read_super does for one (UNTRUSTED input: the
+ * device is a remote export).  Checks, in this order: length
+ * (BCH_ERR_TRUNCATED), magic (BCH_ERR_MAGIC: no bcache superblock),
+ * offset, version (a cache device's, or an unknown one: BCH_ERR_VERSION;
+ * sb is filled in), checksum (BCH_ERR_CSUM), then BCH_ERR_INVALID for:
+ * a zero uuid, data_offset below 16 (versions 4 and 6), a cache mode
+ * above 3, and, if device_sectors is non-zero, a data_offset that leaves
+ * no data (>= device_sectors).  Feature words are kept as stored and not
+ * checked (the kernel checks them only on cache devices).  On every
+ * error after the length check *sb is filled in. */
+enum bch_status bch_bdev_sb_decode (const void *buf, size_t len,
+                                    uint64_t device_sectors,
+                                    struct bch_sb *sb, struct bch_diag *diag);
+
+/* Rewrite, in place, the set_uuid and BDEV_STATE of a backing
+ * superblock area (BCH_SB_AREA_SIZE bytes that bch_bdev_sb_decode
+ * accepted), keeping every other byte, and recompute its checksum: what
+ * the kernel writes on attach (set_uuid = the cache set, clean), detach
+ * (zero, none), and when dirty data appears or is written back. */
+void bch_bdev_sb_set_state (void *buf, const uint8_t set_uuid[16],
+                            unsigned state);
 
 /* Effective bucket size in sectors, honouring the large-bucket feature
  * bits (0 if the encoding is nonsense). */
@@ -214,6 +290,24 @@ uint64_t bch_btree_node_bytes (uint64_t bucket_sectors);
 /* Number of journal buckets the kernel chooses at first registration:
  * clamp(nbuckets >> 7, 2, 256). */
 unsigned bch_journal_buckets_for (uint64_t nbuckets);
+
+/* The fewest buckets a cache may have for the Linux kernel to register
+ * it.  The superblock rule is 128 (bch_sb_validate), but the kernel's
+ * cache_alloc sizes its free lists as roundup_pow_of_two (nbuckets) >>
+ * 10 and refuses a cache where that is 0 ("ca->sb.nbuckets is too
+ * small"): it needs more than 512 buckets.  What bcachefilter formats
+ * has at least this many (bcachefilter-format, the filter's bcache-size=
+ * and format path); the engine itself still opens caches of 128 and up,
+ * as made-elsewhere caches (make-bcache) may be that small. */
+#define BCH_KERNEL_MIN_NBUCKETS 513u
+
+/* The bucket size to format a device of device_sectors with when none is
+ * asked for: 1024 sectors (512 KiB, make-bcache's default), halved while
+ * that leaves BCH_KERNEL_MIN_NBUCKETS buckets or fewer, but never below
+ * BCH_PAGE_SECTORS or block_sectors.  (The result may still be too small
+ * for a tiny device: the caller checks the bucket count.) */
+unsigned bch_default_bucket_sectors (uint64_t device_sectors,
+                                     unsigned block_sectors);
 
 /* ------------------------------------------------------------------------
  * bkey

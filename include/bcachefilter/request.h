@@ -60,6 +60,13 @@ struct bcf_req_opts {
    * long before the next one (writes never wait for it; see
    * abandon_device in core/request.c); 0 = 1000 ms. */
   unsigned abandon_retry_ms;
+  /* Added to the offset of every request: where the bytes the clients
+   * address begin in the backing store, so that the cache's keys are at
+   * backing-store sectors.  A bcache backing device's data offset
+   * (bcachefilter/bdev.h), the kernel's bio shift; 0 for a plain export.
+   * A multiple of 512, below the backing store's size; clients may
+   * address size - offset bytes. */
+  uint64_t offset;
 };
 
 /* c must stay open for the lifetime of the request layer. */
@@ -75,8 +82,9 @@ uint64_t bcf_req_sequential_cutoff (struct bcf_req *r);
 /* True once too many cache-device errors switched the cache off. */
 bool bcf_req_passthrough (struct bcf_req *r);
 
-/* The requests.  Return 0 or a negative errno (from the backing store:
- * cache-device errors never fail a request the backing store can serve). */
+/* The requests, at client offsets (opts.offset is added).  Return 0 or a
+ * negative errno (from the backing store: cache-device errors never fail
+ * a request the backing store can serve). */
 int bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
                   void *buf, uint32_t count, uint64_t offset);
 int bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,

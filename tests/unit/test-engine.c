@@ -32,6 +32,7 @@
 #include <check.h>
 
 #include "bcachefilter/cache.h"
+#include "bcachefilter/probe.h"
 #include "engine.h"
 #include "mem-backing.h"
 #include "testlib.h"
@@ -42,9 +43,14 @@ static char tmpdir[256];
 
 #define BLOCK 4096u
 
+/* Warnings that a format used smaller buckets than the default. */
+static atomic_uint smaller_bucket_warnings;
+
 static void
 log_cb (void *opaque, enum bcf_log_level level, const char *msg)
 {
+  if (level == BCF_LOG_WARN && strstr (msg, "instead of the default"))
+    atomic_fetch_add (&smaller_bucket_warnings, 1);
   if (level >= BCF_LOG_WARN || getenv ("TEST_VERBOSE"))
     fprintf (stderr, "engine: %s\n", msg);
 }
@@ -1314,6 +1320,362 @@ START_TEST (test_miss_fill_many)
 }
 END_TEST
 
+/* ---- identity (issue 16 B) and geometry (issue 16 C) ---------------------------- */
+
+/* Give the fixture a new backing store of this size (same identity). */
+static void
+fixture_new_backing (struct fixture *f, uint64_t bytes)
+{
+  mem_backing_free (f->mb);
+  f->mb = mem_backing_new (bytes);
+  f->opts.backing = mem_backing_get (f->mb);
+}
+
+/* Write sectors into uuid slot 0 of the closed cache at f->path, as the
+ * kernel leaves it for a backing device (0). */
+static void
+patch_owner_sectors (struct fixture *f, uint64_t sectors)
+{
+  uint64_t at;
+  uint8_t le[8];
+  int fd;
+
+  fixture_open (f);
+  at = f->c->uuid_bucket * f->c->bucket_bytes + 64;
+  fixture_close (f);
+  for (int i = 0; i < 8; i++)
+    le[i] = (uint8_t) (sectors >> (8 * i));
+  fd = open (f->path, O_WRONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pwrite (fd, le, 8, (off_t) at), 8);
+  close (fd);
+}
+
+/* A uuid entry whose size is 0 records no size (the kernel's entry for a
+ * backing device): only its uuid is compared.  Its message for another
+ * uuid says the size is not recorded. */
+START_TEST (test_identity_size_not_recorded)
+{
+  struct fixture f;
+  uint8_t data[8192], back[8192];
+  struct bcf_extent e[2];
+  char err[512] = "";
+  unsigned n;
+
+  fixture_init (&f, "nosize.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  rng_state = seed + 7;
+  fill (data, sizeof data);
+  ck_assert_int_eq (bcf_insert (f.c, 1 << 20, sizeof data, data, false,
+                                true), 0);
+  fixture_close (&f);
+  patch_owner_sectors (&f, 0);
+
+  /* Another size, the same uuid: accepted, and still warm. */
+  fixture_new_backing (&f, 20 << 20);
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_lookup (f.c, 1 << 20, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  ck_assert_int_eq (bcf_read_hit (f.c, &e[0], back), 0);
+  ck_assert_mem_eq (back, data, sizeof data);
+  fixture_close (&f);
+
+  /* Another uuid: another export. */
+  f.opts.backing_uuid[0] ^= 1;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -EEXIST);
+  f.c = NULL;
+  ck_assert_ptr_nonnull (strstr (err, "caches another export"));
+  ck_assert_ptr_nonnull (strstr (err, "size not recorded"));
+  fixture_free (&f);
+}
+END_TEST
+
+/* A recorded size is still checked; a resized export is reported as a
+ * resize of this export (its uuid named once), not as another export. */
+START_TEST (test_identity_resized)
+{
+  struct fixture f;
+  char err[512] = "", u[37];
+  const char *at;
+
+  fixture_init (&f, "resized.img", 16 << 20, 32 << 20, 256);
+  fixture_open (&f);
+  fixture_close (&f);
+  fixture_new_backing (&f, 20 << 20);
+  f.opts.format = BCF_FORMAT_NEVER;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -ESTALE);
+  f.c = NULL;
+  ck_assert_ptr_null (strstr (err, "another export"));
+  ck_assert_ptr_nonnull (strstr (err, "caches this export"));
+  ck_assert_ptr_nonnull (strstr (err, "16777216 bytes"));
+  ck_assert_ptr_nonnull (strstr (err, "20971520 bytes"));
+  bch_uuid_unparse (f.opts.backing_uuid, u);
+  ck_assert_ptr_nonnull (at = strstr (err, u));
+  ck_assert_ptr_null (strstr (at + 1, u));
+  fixture_free (&f);
+}
+END_TEST
+
+/* Without a bucket size, a small device gets buckets small enough for
+ * the kernel to register it (more than 512), with a warning; a large one
+ * gets 512 KiB.  With min_buckets = BCH_KERNEL_MIN_NBUCKETS an explicit
+ * geometry that gives fewer is refused, and so is a make-bcache device
+ * that has fewer; nothing is written. */
+START_TEST (test_kernel_min_buckets)
+{
+  struct fixture f;
+  struct bcf_cache_stats st;
+  char err[512] = "";
+  struct bcf_device_verdict verdict;
+
+  atomic_store (&smaller_bucket_warnings, 0);
+  fixture_init (&f, "small.img", 16 << 20, 64 << 20, 0);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.bucket_bytes, 64 << 10);
+  ck_assert_uint_eq (st.nbuckets, 1024);
+  ck_assert_uint_eq (atomic_load (&smaller_bucket_warnings), 1);
+  fixture_free (&f);
+
+  fixture_init (&f, "large.img", 16 << 20, 513 << 19, 0);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.bucket_bytes, 512 << 10);
+  ck_assert_uint_eq (st.nbuckets, 513);
+  ck_assert_uint_eq (atomic_load (&smaller_bucket_warnings), 1);
+  fixture_free (&f);
+
+  /* 32 MiB of 128 KiB buckets: 256. */
+  fixture_init (&f, "refused.img", 16 << 20, 32 << 20, 256);
+  f.opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
+  ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err), -EINVAL);
+  f.c = NULL;
+  ck_assert_ptr_nonnull (strstr (err, "256 buckets of 128 KiB"));
+  ck_assert_ptr_nonnull (strstr (err, "registers none with 512 buckets or "
+                                 "fewer"));
+  ck_assert_int_eq (bcf_device_probe (f.path, NULL, &verdict, err,
+                                      sizeof err), 0);
+  ck_assert_int_eq (verdict.kind, BCF_DEVICE_BLANK);
+  f.opts.bucket_sectors = 64;           /* 1024 of 32 KiB: fine */
+  fixture_open (&f);
+  fixture_free (&f);
+
+  if (strcmp (MAKE_BCACHE, "no") != 0) {
+    char cmd[512];
+    fixture_init (&f, "mbsmall.img", 16 << 20, 64 << 20, 0);
+    int fd = open (f.path, O_RDWR | O_CREAT, 0600);
+    ck_assert_int_ge (fd, 0);
+    ck_assert_int_eq (ftruncate (fd, 64 << 20), 0);
+    close (fd);
+    snprintf (cmd, sizeof cmd, "%s -C -b 256k %s >/dev/null", MAKE_BCACHE,
+              f.path);
+    ck_assert_int_eq (system (cmd), 0);
+    f.opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
+    ck_assert_int_eq (bcf_cache_open (&f.opts, &f.c, err, sizeof err),
+                      -EINVAL);
+    f.c = NULL;
+    ck_assert_ptr_nonnull (strstr (err, "make-bcache -b"));
+    fixture_free (&f);
+  }
+}
+END_TEST
+
+/* ---- interior nodes as the kernel reads them ------------------------------------ */
+
+/* A tree with interior nodes: 8 KiB buckets (8 KiB nodes, two 4 KiB
+ * blocks of log), thousands of small extents, a checkpoint every few
+ * hundred (splits, relocations); after each, each_round (if not NULL). */
+static void
+fill_deep_tree (struct fixture *f, unsigned rounds,
+                void (*each_round) (struct fixture *f))
+{
+  uint8_t data[4096];
+
+  fixture_init (f, "deep.img", 64 << 20, 32 << 20, 16);
+  fixture_open (f);
+  rng_state = seed + 11;
+  for (unsigned r = 0; r < rounds; r++) {
+    for (unsigned i = 0; i < 300; i++) {
+      uint64_t off = rnd_below ((64 << 20) / 8192) * 8192;
+      fill (data, sizeof data);
+      ck_assert_int_eq (bcf_insert (f->c, off, sizeof data, data, false,
+                                    false), 0);
+    }
+    ck_assert_int_eq (bcf_cache_checkpoint (f->c), 0);
+    if (each_round)
+      each_round (f);
+  }
+}
+
+struct pos_list { uint64_t pos[4096]; size_t n; bool dup; };
+
+static int
+collect_positions (const struct bch_node_bset *set, void *opaque)
+{
+  struct pos_list *l = opaque;
+  const uint8_t *p = (const uint8_t *) set->keys;
+
+  for (size_t w = 0; w < set->hdr.keys; ) {
+    struct bkey_padded b;
+    uint64_t pos;
+
+    ck_assert_int_eq (bkey_decode (p + 8 * w, (set->hdr.keys - w) * 8, &b,
+                                   NULL), BCH_OK);
+    w += bkey_u64s (&b.key);
+    pos = (KEY_INODE (&b.key) << 44) ^ KEY_OFFSET (&b.key);
+    for (size_t i = 0; i < l->n; i++)
+      if (l->pos[i] == pos)
+        l->dup = true;
+    ck_assert_uint_lt (l->n, 4096);
+    l->pos[l->n++] = pos;
+  }
+  return 0;
+}
+
+struct interior_check { struct fixture *f; unsigned nodes, bsets; };
+static struct interior_check interior_seen;
+
+/* No interior node on disk holds two keys at one position (in any of its
+ * bsets): the kernel would take both for children. */
+static int
+check_interior_on_disk (struct bcf_cache *c, struct btree_node *n,
+                        void *opaque)
+{
+  struct interior_check *ic = opaque;
+  struct pos_list *l;
+  uint8_t *buf;
+  unsigned nsets;
+  size_t written;
+  struct bch_diag d;
+  int fd;
+
+  if (n->level == 0)
+    return 0;
+  ic->nodes++;
+  l = calloc (1, sizeof *l);
+  buf = malloc (c->tree.node_bytes);
+  fd = open (ic->f->path, O_RDONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pread (fd, buf, c->tree.node_bytes,
+                           (off_t) (bucket_of_ptr (c, n->key.ptr) *
+                                    c->bucket_bytes)),
+                    (ssize_t) c->tree.node_bytes);
+  close (fd);
+  ck_assert_int_eq (bch_node_walk (buf, c->tree.node_bytes, c->block_bytes,
+                                   bch_bset_magic (&c->sb), n->key.ptr,
+                                   n->level, NULL, collect_positions, l,
+                                   &nsets, &written, &d), BCH_OK);
+  ic->bsets += nsets;
+  ck_assert_msg (!l->dup, "interior node in bucket %" PRIu64 " holds two "
+                 "keys at one position on disk (%u bsets)",
+                 bucket_of_ptr (c, n->key.ptr), nsets);
+  free (buf);
+  free (l);
+  return 0;
+}
+
+static void
+check_interior_after_round (struct fixture *f)
+{
+  interior_seen.f = f;
+  btree_visit (f->c, check_interior_on_disk, &interior_seen);
+}
+
+/* Interior nodes are written whole, never as appended bsets: after every
+ * checkpoint (splits, relocations) none holds a superseded child
+ * pointer on disk. */
+START_TEST (test_interior_nodes_written_whole)
+{
+  struct fixture f;
+
+  memset (&interior_seen, 0, sizeof interior_seen);
+  fill_deep_tree (&f, 12, check_interior_after_round);
+  ck_assert_uint_ge (f.c->tree.root->level, 1);
+  ck_assert_uint_ge (f.c->tree.root->keys.nr, 8);
+  ck_assert_uint_ge (interior_seen.nodes, 12);
+  fixture_close (&f);
+  fixture_free (&f);
+}
+END_TEST
+
+/* Keys bcache writes into interior nodes that are not children: a
+ * freeing key at (0, 0), and a second, older key at the position of the
+ * one before it in the same bset (the kernel sorts the newest first).
+ * Appended to the root's log, they must change nothing. */
+START_TEST (test_kernel_interior_keys)
+{
+  struct fixture f;
+  struct btree_node *root;
+  struct bcf_extent e[2];
+  struct bkey_padded keys[3];
+  uint8_t data[4096], *bset;
+  uint64_t bogus, root_at, root_written, root_seq, root_ptr, magic;
+  size_t bsz, words = 0;
+  unsigned n, block;
+  int fd;
+
+  fill_deep_tree (&f, 4, NULL);
+  rng_state = seed + 12;
+  fill (data, sizeof data);
+  ck_assert_int_eq (bcf_insert (f.c, 0, sizeof data, data, false, true), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  /* A pointer that is not a node: the bucket of the data at 0. */
+  ck_assert_int_eq (bcf_lookup (f.c, 0, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  bogus = e[0].ptr;
+  root = f.c->tree.root;
+  ck_assert_uint_ge (root->level, 1);
+  ck_assert_uint_ge (root->keys.nr, 2);
+  root_ptr = root->key.ptr;
+  root_at = bucket_of_ptr (f.c, root_ptr) * f.c->bucket_bytes;
+  root_written = root->written;
+  root_seq = root->seq;
+  magic = bch_bset_magic (&f.c->sb);
+  block = f.c->block_bytes;
+  /* The kernel's freeing key for the data bucket (gen + 1), then the
+   * root's last key twice: the real child, and after it the bogus one. */
+  bkey_init (&keys[0].key, 0, 0, f.c->bucket_sectors);
+  SET_KEY_PTRS (&keys[0].key, 1);
+  keys[0].key.ptr[0] = MAKE_PTR ((uint8_t) (PTR_GEN (bogus) + 1),
+                                 PTR_OFFSET (bogus), 0);
+  memcpy (&keys[1], ckey_bkey (&root->keys.k[root->keys.nr - 1]),
+          sizeof keys[1]);
+  memcpy (&keys[2], &keys[1], sizeof keys[2]);
+  keys[2].key.ptr[0] = MAKE_PTR (PTR_GEN (bogus), PTR_OFFSET (bogus) /
+                                 f.c->bucket_sectors * f.c->bucket_sectors,
+                                 0);
+  fixture_close (&f);
+
+  bsz = block;
+  bset = calloc (1, bsz);
+  for (unsigned i = 0; i < 3; i++)
+    words += bkey_encode (&keys[i].key, bset + BCH_BSET_HEADER_SIZE + 8 * words,
+                          bsz - BCH_BSET_HEADER_SIZE - 8 * words) / 8;
+  ck_assert (bch_bset_seal (bset, bsz, magic, root_seq, (uint32_t) words,
+                            root_ptr) != 0);
+  fd = open (f.path, O_WRONLY);
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pwrite (fd, bset, bsz, (off_t) (root_at + root_written)),
+                    (ssize_t) bsz);
+  close (fd);
+  free (bset);
+
+  /* Reopened: the same children, the data still there. */
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_lookup (f.c, 0, sizeof data, e, 2, &n), 0);
+  ck_assert_int_eq (e[0].kind, BCF_EXTENT_HIT);
+  {
+    uint8_t back[4096];
+    ck_assert_int_eq (bcf_read_hit (f.c, &e[0], back), 0);
+    ck_assert_mem_eq (back, data, sizeof data);
+  }
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  fixture_free (&f);
+}
+END_TEST
+
 /* One test case per test, so CK_RUN_CASE=name runs just that one. */
 static void
 add_timeout (Suite *s, const char *name, const TTest *t, double timeout)
@@ -1350,6 +1712,11 @@ engine_suite (void)
     suite_add_tcase (s, tc);
   }
   add (s, "miss_fill_many", test_miss_fill_many);
+  add (s, "identity_size_not_recorded", test_identity_size_not_recorded);
+  add (s, "identity_resized", test_identity_resized);
+  add (s, "kernel_min_buckets", test_kernel_min_buckets);
+  add (s, "interior_nodes_written_whole", test_interior_nodes_written_whole);
+  add (s, "kernel_interior_keys", test_kernel_interior_keys);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);

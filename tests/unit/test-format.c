@@ -20,6 +20,12 @@
  *    computed once with the Python reference below, node walking and all
  *    the ways a node can be corrupt.
  *  - jsets (§1.6), prio sets (§1.7), uuid entries (§1.8).
+ *  - Backing superblocks (make-bcache -B): bytes bcache-tools wrote,
+ *    decoded and re-encoded byte for byte, every decode rule alone, the
+ *    attach/dirty/detach rewrite (bch_bdev_sb_set_state), and, with
+ *    bcache-tools, bcache-super-show's view of what we rewrote.
+ *  - The default bucket size keeps more than 512 buckets (the kernel's
+ *    minimum) where it can.
  *  - Randomised round trips; the seed comes from $TEST_SEED or the clock
  *    and is printed first so a failure can be reproduced.
  *
@@ -681,6 +687,232 @@ START_TEST (test_geometry_helpers)
 }
 END_TEST
 
+/* The default bucket size keeps more than 512 buckets (the kernel's
+ * cache_alloc minimum) where it can. */
+START_TEST (test_default_bucket)
+{
+  ck_assert_uint_eq (BCH_KERNEL_MIN_NBUCKETS, 513);
+  /* Large enough: 512 KiB. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (513 * 1024, 1), 1024);
+  ck_assert_uint_eq (bch_default_bucket_sectors (1ull << 40, 8), 1024);
+  /* 256 MiB is 512 buckets of 512 KiB: too few, so 256 KiB. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (256 * 2048, 1), 512);
+  ck_assert_uint_eq (bch_default_bucket_sectors (513 * 512, 1), 512);
+  /* 64 MiB: 64 KiB buckets (1024 of them). */
+  ck_assert_uint_eq (bch_default_bucket_sectors (64 * 2048, 8), 128);
+  /* Never below 4 KiB, nor below the block size. */
+  ck_assert_uint_eq (bch_default_bucket_sectors (2048, 1), 8);
+  ck_assert_uint_eq (bch_default_bucket_sectors (0, 1), 8);
+  ck_assert_uint_eq (bch_default_bucket_sectors (2048, 64), 64);
+  /* The result gives more than 512 buckets exactly when some bucket of
+   * at least the floor does. */
+  for (uint64_t sectors = 4096; sectors < (1u << 22); sectors = sectors * 3 / 2) {
+    unsigned b = bch_default_bucket_sectors (sectors, 1);
+    ck_assert (b >= 8 && b <= 1024 && (b & (b - 1)) == 0);
+    if (b < 1024)
+      ck_assert_uint_lt (sectors / (2 * b), BCH_KERNEL_MIN_NBUCKETS);
+    if (b > 8)
+      ck_assert_uint_ge (sectors / b, BCH_KERNEL_MIN_NBUCKETS);
+  }
+}
+END_TEST
+
+/* ------------------------------------------------------------------------
+ * Backing-device superblock (make-bcache -B)
+ * ------------------------------------------------------------------------ */
+
+/* Written by bcache-tools 1.0.8 on 16 MiB files (the first 224 bytes of
+ * the area; the rest is zero):
+ *   make-bcache -B -w 4k              version 1, data at 16, writethrough
+ *   make-bcache -B -o 64 --writeback  version 4, data at 64, writeback
+ * both detached (state none) with make-bcache's random set_uuid. */
+static const char mb_bdev_v1_hex[] =
+  "485eb55f646db2b408000000000000000100000000000000c68573f64e1a45ca"
+  "8265f57f48ba6d81e6d89d1d47ba4ad1a5dfaa6fbd819e12f9e570dd4c364eb2"
+  "9bd4d34a00a57e46000000000000000000000000000000000000000000000000"
+  "0000000000000000000000000000000000000000000000000000000000000000"
+  "0000000000000000000000000000000000000000000000000000000000000000"
+  "0000000000000000000000000000000000000000000000000000000000000000"
+  "0800000400000000000000000000000000000000000000000000000000000000";
+static const char mb_bdev_v4_hex[] =
+  "df4eaa221e65106508000000000000000400000000000000c68573f64e1a45ca"
+  "8265f57f48ba6d814e4b4fbec36f4dbdb66761d73e707f3f5e133599ba5d4f2b"
+  "a3df5278658848c7000000000000000000000000000000000000000000000000"
+  "0000000000000000010000000000000000000000000000000000000000000000"
+  "0000000000000000000000000000000000000000000000000000000000000000"
+  "0000000000000000000000000000000000000000000000004000000000000000"
+  "0800000400000000000000000000000000000000000000000000000000000000";
+
+static void
+area_from_hex (const char *hex, uint8_t area[BCH_SB_AREA_SIZE])
+{
+  memset (area, 0, BCH_SB_AREA_SIZE);
+  for (size_t i = 0; hex[2 * i]; i++) {
+    unsigned v;
+    ck_assert (sscanf (hex + 2 * i, "%2x", &v) == 1);
+    area[i] = (uint8_t) v;
+  }
+}
+
+START_TEST (test_bdev_known_bytes)
+{
+  static const struct {
+    const char *hex;
+    uint64_t version, data_offset, csum;
+    unsigned mode;
+  } t[] = {
+    { mb_bdev_v1_hex, 1, 16, 0xb4b26d645fb55e48ull, BCH_BDEV_MODE_WRITETHROUGH },
+    { mb_bdev_v4_hex, 4, 64, 0x6510651e22aa4edfull, BCH_BDEV_MODE_WRITEBACK },
+  };
+
+  for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+    uint8_t area[BCH_SB_AREA_SIZE], re[BCH_SB_AREA_SIZE];
+    struct bch_sb sb, csb;
+    struct bch_diag diag;
+    char u[37];
+
+    area_from_hex (t[i].hex, area);
+    ck_assert_int_eq (bch_bdev_sb_decode (area, sizeof area, 32768, &sb,
+                                          &diag), BCH_OK);
+    ck_assert_uint_eq (sb.csum, t[i].csum);
+    ck_assert_uint_eq (sb.csum, ref_crc64 (area + 8, 200));
+    ck_assert_uint_eq (sb.version, t[i].version);
+    ck_assert (bch_sb_is_backing (&sb));
+    ck_assert_uint_eq (bch_bdev_data_offset (&sb), t[i].data_offset);
+    ck_assert_uint_eq (bch_bdev_cache_mode (&sb), t[i].mode);
+    ck_assert_uint_eq (bch_bdev_state (&sb), BCH_BDEV_STATE_NONE);
+    ck_assert_str_eq (bch_bdev_state_name (bch_bdev_state (&sb)), "none");
+    ck_assert_uint_eq (sb.block_size, 8);
+    ck_assert_uint_eq (sb.bucket_size, 1024);
+    bch_uuid_unparse (sb.uuid, u);
+    ck_assert_str_eq (u, i == 0 ? "e6d89d1d-47ba-4ad1-a5df-aa6fbd819e12"
+                      : "4e4b4fbe-c36f-4dbd-b667-61d73e707f3f");
+    /* Re-encoding reproduces make-bcache's bytes. */
+    bch_sb_encode (&sb, re);
+    ck_assert_mem_eq (re, area, sizeof area);
+    /* The cache decoder says what it is. */
+    ck_assert_int_eq (bch_sb_decode (area, sizeof area, &csb, &diag),
+                      BCH_ERR_BACKING);
+  }
+}
+END_TEST
+
+START_TEST (test_bdev_set_state)
+{
+  static const uint8_t set[16] = "a cache set uuid";
+  static const uint8_t zero[16];
+  uint8_t area[BCH_SB_AREA_SIZE], orig[BCH_SB_AREA_SIZE];
+  struct bch_sb sb;
+  struct bch_diag diag;
+
+  for (int v = 0; v < 2; v++) {
+    area_from_hex (v == 0 ? mb_bdev_v1_hex : mb_bdev_v4_hex, orig);
+    memcpy (area, orig, sizeof area);
+    /* Attach: set_uuid and clean; only those bytes and the csum change. */
+    bch_bdev_sb_set_state (area, set, BCH_BDEV_STATE_CLEAN);
+    ck_assert_int_eq (bch_bdev_sb_decode (area, sizeof area, 0, &sb, &diag),
+                      BCH_OK);
+    ck_assert_mem_eq (sb.set_uuid, set, 16);
+    ck_assert_uint_eq (bch_bdev_state (&sb), BCH_BDEV_STATE_CLEAN);
+    ck_assert_uint_eq (bch_bdev_cache_mode (&sb),
+                       v == 0 ? BCH_BDEV_MODE_WRITETHROUGH
+                       : BCH_BDEV_MODE_WRITEBACK);
+    ck_assert_uint_eq (le64_at (area, 104) & ~BCH_BDEV_STATE_MASK,
+                       le64_at (orig, 104) & ~BCH_BDEV_STATE_MASK);
+    ck_assert_uint_eq (le64_at (area, 104) >> 61, 1);
+    ck_assert_uint_eq (le64_at (area, 0), ref_crc64 (area + 8, 200));
+    for (size_t i = 8; i < sizeof area; i++)
+      if ((i < 56 || i >= 72) && (i < 104 || i >= 112))
+        ck_assert_msg (area[i] == orig[i], "byte %zu changed", i);
+    /* Dirty, then detach (zero set, none). */
+    bch_bdev_sb_set_state (area, set, BCH_BDEV_STATE_DIRTY);
+    ck_assert_int_eq (bch_bdev_sb_decode (area, sizeof area, 0, &sb, &diag),
+                      BCH_OK);
+    ck_assert_uint_eq (bch_bdev_state (&sb), BCH_BDEV_STATE_DIRTY);
+    ck_assert_str_eq (bch_bdev_state_name (bch_bdev_state (&sb)), "dirty");
+    bch_bdev_sb_set_state (area, zero, BCH_BDEV_STATE_NONE);
+    ck_assert_int_eq (bch_bdev_sb_decode (area, sizeof area, 0, &sb, &diag),
+                      BCH_OK);
+    ck_assert (bch_uuid_is_zero (sb.set_uuid));
+    ck_assert_uint_eq (bch_bdev_state (&sb), BCH_BDEV_STATE_NONE);
+  }
+}
+END_TEST
+
+/* Each rule of bch_bdev_sb_decode, alone. */
+START_TEST (test_bdev_errors)
+{
+  uint8_t area[BCH_SB_AREA_SIZE], good[BCH_SB_AREA_SIZE];
+  struct bch_sb sb;
+  struct bch_diag diag;
+
+  area_from_hex (mb_bdev_v4_hex, good);
+#define RESEAL() bch_put_le64 (area, bch_sb_csum (area, sizeof area))
+#define EXPECT(st, dev, text)                                           \
+  do {                                                                  \
+    enum bch_status got = bch_bdev_sb_decode (area, sizeof area, (dev), \
+                                              &sb, &diag);              \
+    ck_assert_msg (got == (st), "%s: got %s (%s)", text,                \
+                   bch_status_name (got), diag.msg);                    \
+    if (got != BCH_OK)                                                  \
+      ck_assert_int_eq (diag.status, got);                              \
+  } while (0)
+
+  memcpy (area, good, sizeof area);
+  EXPECT (BCH_OK, 65, "good");
+  ck_assert_int_eq (bch_bdev_sb_decode (area, BCH_SB_STRUCT_SIZE - 1, 0, &sb,
+                                        &diag), BCH_ERR_TRUNCATED);
+  area[24] ^= 1;
+  EXPECT (BCH_ERR_MAGIC, 0, "magic");
+  memcpy (area, good, sizeof area);
+  area[8] = 9; RESEAL ();
+  EXPECT (BCH_ERR_INVALID, 0, "offset");
+  for (unsigned v = 0; v < 9; v++) {
+    memcpy (area, good, sizeof area);
+    area[16] = (uint8_t) v; RESEAL ();
+    EXPECT (v == 1 || v == 4 || v == 6 ? BCH_OK : BCH_ERR_VERSION, 0,
+            "version");
+  }
+  memcpy (area, good, sizeof area);
+  area[16] = 0; RESEAL ();
+  EXPECT (BCH_ERR_VERSION, 0, "cache version");
+  ck_assert_ptr_nonnull (strstr (diag.msg, "cache device"));
+  memcpy (area, good, sizeof area);
+  area[80] ^= 1;
+  EXPECT (BCH_ERR_CSUM, 0, "csum");
+  memcpy (area, good, sizeof area);
+  memset (area + 40, 0, 16); RESEAL ();
+  EXPECT (BCH_ERR_INVALID, 0, "zero uuid");
+  memcpy (area, good, sizeof area);
+  bch_put_le64 (area + 184, 15); RESEAL ();
+  EXPECT (BCH_ERR_INVALID, 0, "data_offset 15");
+  bch_put_le64 (area + 184, 16); RESEAL ();
+  EXPECT (BCH_OK, 0, "data_offset 16");
+  /* Version 1 ignores the field: its data is at 16 whatever is there. */
+  area[16] = 1; bch_put_le64 (area + 184, 0); RESEAL ();
+  EXPECT (BCH_OK, 17, "v1");
+  ck_assert_uint_eq (bch_bdev_data_offset (&sb), 16);
+  EXPECT (BCH_ERR_INVALID, 16, "v1, no data");
+  memcpy (area, good, sizeof area);
+  EXPECT (BCH_ERR_INVALID, 64, "no data left");
+  EXPECT (BCH_OK, 0, "size unknown");
+  area[104] = 4; RESEAL ();
+  EXPECT (BCH_ERR_INVALID, 0, "cache mode 4");
+  area[104] = 3; RESEAL ();
+  EXPECT (BCH_OK, 0, "cache mode 3");
+  /* Feature words are kept, not checked (the kernel checks them on
+   * cache devices only). */
+  memcpy (area, good, sizeof area);
+  area[16] = 6;
+  bch_put_le64 (area + 128, 0xff00);
+  RESEAL ();
+  EXPECT (BCH_OK, 0, "features");
+  ck_assert_uint_eq (sb.feature_incompat, 0xff00);
+#undef EXPECT
+#undef RESEAL
+}
+END_TEST
+
 /* ------------------------------------------------------------------------
  * Superblock
  * ------------------------------------------------------------------------ */
@@ -1237,6 +1469,79 @@ START_TEST (test_make_bcache)
   else
     printf ("SKIP: bcache-super-show missing, not compared\n");
 
+  unlink (path);
+}
+END_TEST
+
+/* make-bcache -B as bcache-tools writes it, and bcache-super-show on the
+ * superblock after bch_bdev_sb_set_state (an attach, then a detach). */
+START_TEST (test_make_bcache_bdev)
+{
+  static const uint8_t set[16] = {
+    0x5e, 0x13, 0x35, 0x99, 0xba, 0x5d, 0x4f, 0x2b,
+    0xa3, 0xdf, 0x52, 0x78, 0x65, 0x88, 0x48, 0xc7,
+  };
+  static const uint8_t zero[16];
+  const bool offset = _i == 1;
+  char path[PATH_MAX], *out, val[128], us[37];
+  uint8_t area[BCH_SB_AREA_SIZE], re[BCH_SB_AREA_SIZE];
+  struct bch_sb sb;
+  struct bch_diag diag;
+  int rc;
+
+  make_sparse (path, sizeof path, offset ? "bdev-o.img" : "bdev.img",
+               16 * MiB);
+  {
+    const char *argv1[] = { MAKE_BCACHE, "-B", "-w", "4k", path, NULL };
+    const char *argv2[] = { MAKE_BCACHE, "-B", "-o", "64", "--writeback",
+                            path, NULL };
+    rc = run_capture (offset ? argv2 : argv1, &out);
+    ck_assert_msg (rc == 0, "make-bcache -B exited %d:\n%s", rc, out);
+    free (out);
+  }
+  pread_exact (path, area, sizeof area, BCH_SB_OFFSET);
+  ck_assert_int_eq (bch_bdev_sb_decode (area, sizeof area, 16 * MiB / 512,
+                                        &sb, &diag), BCH_OK);
+  ck_assert_uint_eq (sb.version, offset ? 4 : 1);
+  ck_assert_uint_eq (bch_bdev_data_offset (&sb), offset ? 64 : 16);
+  ck_assert_uint_eq (bch_bdev_cache_mode (&sb), offset ? 1 : 0);
+  ck_assert_uint_eq (bch_bdev_state (&sb), BCH_BDEV_STATE_NONE);
+  bch_sb_encode (&sb, re);
+  ck_assert_mem_eq (re, area, sizeof area);
+
+  for (int step = 0; step < 3; step++) {
+    if (step == 1)
+      bch_bdev_sb_set_state (area, set, BCH_BDEV_STATE_CLEAN);
+    else if (step == 2)
+      bch_bdev_sb_set_state (area, zero, BCH_BDEV_STATE_NONE);
+    pwrite_exact (path, area, sizeof area, BCH_SB_OFFSET);
+    if (strcmp (BCACHE_SUPER_SHOW, "no") == 0)
+      continue;
+    {
+      const char *argv[] = { BCACHE_SUPER_SHOW, path, NULL };
+      rc = run_capture (argv, &out);
+    }
+    ck_assert_msg (rc == 0, "bcache-super-show exited %d:\n%s", rc, out);
+    ck_assert (show_field (out, "sb.csum", val, sizeof val));
+    ck_assert_msg (strstr (val, "[match]") != NULL, "csum: %s", val);
+    ck_assert (show_field (out, "sb.version", val, sizeof val));
+    ck_assert_msg (strstr (val, "[backing device]") != NULL, "%s", val);
+    ck_assert_uint_eq (show_u64 (out, "dev.data.first_sector"),
+                       offset ? 64 : 16);
+    ck_assert (show_field (out, "dev.data.cache_state", val, sizeof val));
+    ck_assert_str_eq (val, step == 1 ? "1 [clean]" : "0 [detached]");
+    ck_assert (show_field (out, "dev.data.cache_mode", val, sizeof val));
+    ck_assert_str_eq (val, offset ? "1 [writeback]" : "0 [writethrough]");
+    ck_assert (show_field (out, "dev.uuid", val, sizeof val));
+    bch_uuid_unparse (sb.uuid, us);
+    ck_assert_str_eq (val, us);
+    if (step > 0) {
+      ck_assert (show_field (out, "cset.uuid", val, sizeof val));
+      bch_uuid_unparse (step == 1 ? set : zero, us);
+      ck_assert_str_eq (val, us);
+    }
+    free (out);
+  }
   unlink (path);
 }
 END_TEST
@@ -2957,6 +3262,7 @@ format_suite (void)
   tcase_add_test (t, test_uuid_parse_unparse);
   tcase_add_test (t, test_magics_doc_example);
   tcase_add_test (t, test_geometry_helpers);
+  tcase_add_test (t, test_default_bucket);
   suite_add_tcase (s, t);
 
   t = tc ("superblock");
@@ -2968,6 +3274,12 @@ format_suite (void)
   tcase_add_test (t, test_sb_validation);
   tcase_add_test (t, test_sb_truncated);
   tcase_add_test (t, test_sb_validate_size);
+  suite_add_tcase (s, t);
+
+  t = tc ("backing superblock");
+  tcase_add_test (t, test_bdev_known_bytes);
+  tcase_add_test (t, test_bdev_set_state);
+  tcase_add_test (t, test_bdev_errors);
   suite_add_tcase (s, t);
 
   t = tc ("bkey");
@@ -3023,6 +3335,7 @@ interop_tcase (void)
   tcase_add_loop_test (t, test_make_bcache, 0,
                        (int) (sizeof mb_cfgs / sizeof mb_cfgs[0]));
   tcase_add_test (t, test_encode_super_show);
+  tcase_add_loop_test (t, test_make_bcache_bdev, 0, 2);
   return t;
 }
 

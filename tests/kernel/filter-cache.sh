@@ -1,0 +1,142 @@
+# bcachefilter kernel test: a cache the filter used, read by the kernel,
+# written by the kernel, and served by the filter again
+# (test-kernel-used.sh: clean stop; test-kernel-crash.sh: kill -9).
+# -*- shell-script -*-
+#
+# The export is a bcache backing device (make-bcache -B: data from byte
+# 8192) behind nbdkit's file plugin; the filter serves its data region,
+# keys at backing sectors, and marks it attached to its cache, as the
+# kernel would: so the pair is one the kernel takes as it is.
+#
+#  1. The filter caches a random workload (64 KiB buckets and small
+#     writes, so that the btree has interior nodes), and stops (clean, or
+#     kill -9 in the middle of a second workload).
+#  2. The kernel gets the cache and a copy of the backing device whose
+#     data region is poisoned (all 0xA5): it registers both, attaches the
+#     device by itself (its superblock names the cache set, clean), and
+#     reads /dev/bcache0 whole (cache_mode none).  Every sector the
+#     filter's btree holds must read as the data the filter cached, every
+#     other as 0xA5: the first kind is proven to come from the cache.
+#  3. The kernel writes 32 ranges (writethrough), reads them back, runs
+#     GC and stops.
+#  4. The filter opens the cache the kernel wrote, in front of that
+#     backing copy, and must serve: what it cached itself where the
+#     kernel did not write, the kernel's data where it did, the backing
+#     copy elsewhere (kcheck.py roundtrip).
+#
+# A test is "source filter-cache.sh" and "filter_cache_case MODE", MODE
+# clean or kill: this file sources the helpers and sets the shell up.
+
+source "$(dirname "${BASH_SOURCE[0]}")/../functions.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../filter/common.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/kernel.sh"
+set -e
+set -x
+
+filter_cache_case ()
+{
+    local mode="$1" data=$((64 << 20)) img c set cached ops=3000
+
+    filter_requires
+    kernel_requires
+    requires command -v make-bcache
+    tmpdir d
+    img="$d/bdev.img" c="$d/cache.img"
+
+    truncate -s $((data + 8192)) "$img"
+    make-bcache -B -w 4k "$img" > /dev/null
+    kcheck pattern "$img" 8192 "$data" "data-$mode"
+    dd if="$img" of="$d/mirror.img" bs=8192 skip=1 status=none
+    start_remote file "$img"
+
+    # 1. The filter's turn.
+    start_proxy p bcache="$c" bcache-size=256M bcache-bucket-size=64K \
+        bcache-sequential-cutoff=0 bcache-ctl="$d/ctl"
+    test "$(nbdio "$p_sock" size)" = "$data" || fail "not the data region"
+    kcheck workload "$p_uri" --mirror "$d/mirror.img" --log "$d/ops.log" \
+        --ops $ops --seed "w-$mode" --max 8192 ||
+        fail "the first workload read wrong data"
+    bcachefilter-ctl -s "$d/ctl" stats | grep -E '^(btree_depth|btree_keys|inserts) '
+    test "$(ctl_stat "$d/ctl" btree_depth)" -ge 2 ||
+        fail "the btree has no interior node for the kernel to read"
+    if [ "$mode" = kill ]; then
+        stop_nbdkit "$p_pid"
+        start_proxy p bcache="$c" bcache-sequential-cutoff=0 bcache-ctl="$d/ctl"
+        kcheck workload "$p_uri" --mirror "$d/mirror.img" --log "$d/ops2.log" \
+            --duration 30 --seed "x-$mode" --write-frac 0.8 --max 8192 \
+            > "$d/workload2.json" 2>&1 &
+        local wl=$!
+        cleanup_fn kill "$wl"
+        sleep 4
+        crash_nbdkit "$p_pid"
+        wait "$wl" || true
+        cat "$d/workload2.json"
+        grep -q '"read_mismatches": 0' "$d/workload2.json" ||
+            fail "the second workload read wrong data"
+        echo "writes when killed: $(grep -c '"sent"' "$d/ops2.log") sent," \
+             "$(grep -c '"done"' "$d/ops2.log") acknowledged"
+    else
+        stop_nbdkit "$p_pid"
+    fi
+    stop_nbdkit "$remote_pid"
+    set="$(bcachesb show "$c" set_uuid)"
+    test "$(bcachesb show "$img" set_uuid)" = "$set" ||
+        fail "the backing device is not attached to the cache set"
+    test "$(bcachesb show "$img" state)" = clean
+    bcachefilter-show --fsck "$c" || fail "fsck of the filter's cache"
+    bcachefilter-show --btree -v --json "$c" > "$d/btree.json"
+    bcachefilter-show --btree "$c" | tail -1
+    cached="$(kcheck cached "$d/btree.json" --sectors $((data / 512)) \
+              --shift 16 --out "$d/cached.json")"
+    echo "the filter's cache holds: $cached"
+
+    # 2, 3. The kernel's turn, with the data region poisoned.
+    dd if="$img" of="$d/orig.img" bs=8192 skip=1 status=none
+    cp --sparse=always "$img" "$d/backing.img"
+    bcachesb poison "$d/backing.img" 0xA5
+    cp --sparse=always "$c" "$d/vmcache.img"
+    truncate -s "$data" "$d/dump.img"
+    mkdir -p "$d/vm.data"
+    kcheck kwrites "$d/vm.data/kwrites" "$d/vm.data/pat" --n 32 \
+        --size "$data" --seed "k-$mode"
+    printf 'CACHES="/dev/vda:%s"\nBDEV=/dev/vdb\nDUMP=/dev/vdc\nKWRITES=1\nGC=1\n' \
+           "$set" > "$d/vm.data/params"
+    vm_boot vm "$kerneldir/vm-cache.sh" "$d/vmcache.img" "$d/backing.img" \
+        "$d/dump.img"
+    vm_report vm
+    vm_said vm "cset-appeared $set" || fail "the kernel did not register the cache"
+    vm_said vm "attached clean" ||
+        fail "the kernel did not attach the backing device (clean) by itself"
+    test "$(vm_value vm bcache0-sectors)" = $((data / 512)) ||
+        fail "bcache0 is not the data region"
+    test "$(vm_value vm kwrites-mismatches)" = 0 ||
+        fail "the kernel read back other data than it wrote"
+    vm_said vm "stopped-cleanly" || fail "the kernel did not stop cleanly"
+    local trouble
+    trouble="$(vm_trouble vm)"
+    [ -z "$trouble" ] || fail "the kernel complained: $trouble"
+    echo "----- what the kernel read through /dev/bcache0 -----"
+    kcheck compare --dump "$d/dump.img" --expect "$d/orig.img" \
+        --cached "$d/cached.json" --poison 0xA5 ||
+        fail "the kernel did not read the filter's cached data right"
+
+    # 4. The filter again, on the cache the kernel left.
+    bcachefilter-show --fsck "$d/vmcache.img" || fail "fsck after the kernel"
+    bcachefilter-show --btree -v --json "$d/vmcache.img" > "$d/btree.after.json"
+    kcheck cached "$d/btree.after.json" --sectors $((data / 512)) --shift 16 \
+        --out "$d/cached.after.json"
+    dd if="$d/backing.img" of="$d/after.img" bs=8192 skip=1 status=none
+    kcheck roundtrip --first "$d/cached.json" --final "$d/cached.after.json" \
+        --orig "$d/orig.img" --after "$d/after.img" \
+        --kwrites "$d/vm.data/kwrites" --out "$d/expect.img"
+    start_remote file "$d/backing.img"
+    # Mode none: hits are served, nothing new is cached (a fill could
+    # evict what the expectation counts as cached).
+    start_proxy p bcache="$d/vmcache.img" bcache-format=never \
+        bcache-mode=none bcache-sequential-cutoff=0
+    kcheck dump "$p_uri" "$d/filter.img"
+    stop_nbdkit "$p_pid"
+    cmp "$d/filter.img" "$d/expect.img" ||
+        fail "the filter does not serve what the kernel left in the cache"
+    echo "$0: OK: the kernel and the filter read each other's cache"
+}

@@ -1,0 +1,91 @@
+# bcachefilter kernel test, VM side (busybox sh): register caches the
+# host prepared and, optionally, a backing device; read the whole
+# /dev/bcache0 into a dump disk; write through the kernel; run GC; stop
+# cleanly (bcache0 first, then the cache sets: no detach, which would
+# drop the cached data).
+#
+# /data/params (sourced):
+#   CACHES="DEV:CSET ..."   caches to register, each with its set uuid
+#   BDEV=/dev/vdX           a backing device to register ("" for none); its
+#                           superblock must name the first cache set, so
+#                           the kernel attaches it by itself
+#   DUMP=/dev/vdY           read bcache0 whole into it, in cache_mode none
+#                           (hits served, misses not inserted)
+#   KWRITES=1               write /data/pat at the "OFFSET LENGTH" lines of
+#                           /data/kwrites (writethrough), read them back
+#   GC=1                    trigger a GC pass in each set
+# Prints "RESULT ..." lines for the host (tests/kernel/kernel.sh vm_said,
+# vm_value).
+. /vm-lib.sh
+. /data/params
+S=/sys/fs/bcache
+
+for c in $CACHES; do
+  dev=${c%%:*} set=${c#*:}
+  echo "== register cache $dev"
+  echo $dev > $S/register || echo "register $dev: write failed"
+  if waitfor "[ -d $S/$set ]" 50; then echo "RESULT cset-appeared $set"
+  else echo "RESULT cset-missing $set"; ls $S; exit 1; fi
+  echo "  tree_depth $(cat $S/$set/tree_depth), btree nodes" \
+       "$(cat $S/$set/internal/btree_nodes), cache_available_percent" \
+       "$(cat $S/$set/cache_available_percent)"
+  echo "  $(cat $S/$set/cache0/priority_stats | head -4 | tr '\n' ' ')"
+  # The kernel under TCG is slow: no bypass for "congestion".
+  echo 0 > $S/$set/congested_read_threshold_us
+  echo 0 > $S/$set/congested_write_threshold_us
+done
+first=${CACHES%% *}
+first=${first#*:}
+
+if [ -n "$BDEV" ]; then
+  echo "== register backing $BDEV"
+  echo $BDEV > $S/register || echo "register $BDEV: write failed"
+  waitfor '[ -e /sys/block/bcache0/bcache/state ]' 100 ||
+    { echo "RESULT no-bcache0"; exit 1; }
+  B=/sys/block/bcache0/bcache
+  if waitfor '[ -e $B/cache ]' 50; then
+    echo "RESULT attached $(cat $B/state)"
+  else
+    echo "RESULT not-attached $(cat $B/state)"; exit 1
+  fi
+  echo "RESULT bcache0-sectors $(cat /sys/block/bcache0/size)"
+  echo 0 > $B/sequential_cutoff
+  if [ -n "$DUMP" ]; then
+    echo none > $B/cache_mode
+    echo "== read /dev/bcache0 into $DUMP (cache_mode $(cat $B/cache_mode))"
+    dd if=/dev/bcache0 of=$DUMP bs=1M iflag=direct oflag=direct 2>&1 | tail -1
+    echo writethrough > $B/cache_mode
+  fi
+  if [ "$KWRITES" = 1 ]; then
+    echo "== write /data/pat at /data/kwrites (writethrough)"
+    write_ranges /data/pat /data/kwrites
+    echo "RESULT kwrites-mismatches $(ranges_mismatching /data/pat /data/kwrites)"
+  fi
+fi
+
+if [ "$GC" = 1 ]; then
+  for c in $CACHES; do
+    set=${c#*:}
+    echo 1 > $S/$set/internal/trigger_gc
+  done
+  sleep 2
+  for c in $CACHES; do
+    set=${c#*:}
+    echo "  after GC: btree nodes $(cat $S/$set/internal/btree_nodes)," \
+         "root usage $(cat $S/$set/root_usage_percent)%"
+  done
+fi
+
+echo "== stop"
+if [ -n "$BDEV" ]; then
+  echo 1 > /sys/block/bcache0/bcache/stop
+  waitfor '[ ! -e /sys/block/bcache0 ]' 300 || echo "  bcache0 did not stop"
+fi
+ok=1
+for c in $CACHES; do
+  set=${c#*:}
+  echo 1 > $S/$set/stop
+  waitfor "[ ! -d $S/$set ]" 600 || ok=0
+done
+[ $ok = 1 ] && echo "RESULT stopped-cleanly" || echo "RESULT stop-timeout"
+sync
