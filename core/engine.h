@@ -454,6 +454,12 @@ struct intent {
   pthread_cond_t cond;          /* a region changed state */
   struct region **hash;         /* marked regions, by index */
   unsigned nregions;
+  uint64_t last_clear_seq;      /* journal entry of the newest clear */
+  bool clear_failed;            /* a mark may be left: keep the bit */
+  /* sb_lock (taken before ckpt_lock, never inside intent.lock) orders
+   * the superblock's write-intent bit: sb_flag says it is set on disk. */
+  pthread_mutex_t sb_lock;
+  bool sb_flag;
 };
 
 int intent_init (struct bcf_cache *c);

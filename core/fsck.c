@@ -22,7 +22,9 @@
  *     its clean mark), and the dirty-data counter equals the extents'
  *     sum;
  *   - write-intent marks (intent.c): keys of INTENT_INODE are region-
- *     sized placeholders at region boundaries.
+ *     sized placeholders at region boundaries, and where there is one
+ *     the superblock carries the write-intent feature bit (the kernel
+ *     must refuse the cache).
  * Problems are appended to the report, one per line; the count is
  * returned.
  *
@@ -204,11 +206,18 @@ bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len)
 {
   struct fsck_ctx f = { .report = report, .len = len };
 
+  bool intent_bit;
+
   if (report && len)
     report[0] = '\0';
   f.node_bucket = calloc (c->alloc.nbuckets, 1);
   if (!f.node_bucket)
     return -1;
+  /* Before the walk: the bit is set before a mark goes in, and cleared
+   * only after the last one is gone (intent.c). */
+  pthread_mutex_lock (&c->ckpt_lock);
+  intent_bit = c->sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT;
+  pthread_mutex_unlock (&c->ckpt_lock);
   pthread_rwlock_rdlock (&c->tree_lock);
   pthread_mutex_lock (&c->alloc.lock);
   btree_visit (c, check_node, &f);
@@ -216,6 +225,12 @@ bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len)
     check_subtree (c, &f, c->tree.root, NULL);
   btree_visit (c, check_leaf_pointers, &f);
   btree_visit (c, check_intent_marks, &f);
+  if (f.intent_marks && !intent_bit)
+    problem (&f, "%" PRIu64 " write-intent mark%s but the superblock has "
+             "no write-intent feature bit: a kernel would register the "
+             "cache and could serve clean data older than the backing "
+             "store after a crash", f.intent_marks,
+             f.intent_marks == 1 ? "" : "s");
   if (f.dirty_sectors != btree_dirty_sectors (c))
     problem (&f, "the dirty-data counter says %" PRIu64 " sectors, the "
              "extents hold %" PRIu64, btree_dirty_sectors (c),

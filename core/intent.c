@@ -37,16 +37,32 @@
  * replays like any key.  What a kernel would see: keys of an inode no
  * backing device is attached to, whose pointer names no cache device
  * (bcache treats such a pointer as bad: it marks no bucket, serves no
- * read, and GC drops bad keys when it rewrites a node).  The kernel does
- * not know what they mean, so a kernel that registers a cache after a
- * crash may serve suspect clean data in marked regions; a cache the
- * filter closed cleanly has no marks (intent_clear_all at close), and
- * the filter's own next open drops what is suspect.  The man page says
- * so.
+ * read, and GC drops bad keys when it rewrites a node).
+ *
+ * The kernel does not know what they mean, and would serve the suspect
+ * clean data of a cache that crashed with regions marked (the kernel
+ * test's crash case read 1800 such sectors).  So while a mark may exist
+ * on disk, the superblock carries BCF_FEATURE_INCOMPAT_WRITE_INTENT, an
+ * incompatible feature bit the kernel does not know, and a kernel
+ * refuses to register the cache ("Unsupported incompatible feature")
+ * instead of serving it: the bit is set, durably, before the first mark
+ * is inserted (sb_on, from region_enter), and cleared only when no
+ * region is marked and the clears are durable (sb_off, at the end of
+ * intent_tick), or by the open that recovered the marks, after its
+ * checkpoint (super.c).  A cache the filter closed cleanly has no marks
+ * (intent_clear_all at close) and no bit.  Why the clears must be
+ * durable first: a mark a crash brings back is again a region whose
+ * clean data only the filter's recovery knows to drop.  Why a clear
+ * that is durable is enough: it follows, in the journal, the dirty keys
+ * of every write that relied on the mark, which are then durable too.
+ * The cost is a superblock write when the first region is marked and
+ * when the last one is cleared (after quiet_ns without writes).
  *
  * Locking: intent.lock guards the region table (a small hash of the
  * marked regions); it is taken inside no other lock and held across no
- * I/O.  Setting or clearing a mark (a key insert, and for a set a
+ * I/O.  sb_lock serialises the superblock bit's changes and is held
+ * across that write (it takes ckpt_lock inside, as the other superblock
+ * writer does); it is never taken with intent.lock held.  Setting or clearing a mark (a key insert, and for a set a
  * journal wait) happens with it released, with the region in a
  * MARKING / CLEARING state that makes other writers wait on intent.cond,
  * so the journal's order of set and clear is the order of the state
@@ -60,6 +76,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "super.h"
 
 enum region_state {
   R_MARKING,                    /* mark key inserted, not yet durable */
@@ -90,6 +107,7 @@ intent_init (struct bcf_cache *c)
 
   memset (in, 0, sizeof *in);
   pthread_mutex_init (&in->lock, NULL);
+  pthread_mutex_init (&in->sb_lock, NULL);
   pthread_cond_init (&in->cond, NULL);
   in->hash = calloc (HASH_SIZE, sizeof *in->hash);
   return in->hash ? 0 : -ENOMEM;
@@ -110,6 +128,7 @@ intent_free (struct bcf_cache *c)
   free (in->hash);
   in->hash = NULL;
   pthread_mutex_destroy (&in->lock);
+  pthread_mutex_destroy (&in->sb_lock);
   pthread_cond_destroy (&in->cond);
 }
 
@@ -180,6 +199,48 @@ insert_mark (struct bcf_cache *c, uint64_t index, bool set, uint64_t *seq)
   }
 }
 
+/* The superblock's bit, before a mark goes in (see the header).  Returns
+ * 0 or -errno. */
+static int
+sb_on (struct bcf_cache *c)
+{
+  struct intent *in = &c->intent;
+  int e = 0;
+
+  pthread_mutex_lock (&in->sb_lock);
+  if (!in->sb_flag && (e = super_set_write_intent (c, true)) == 0)
+    in->sb_flag = true;
+  pthread_mutex_unlock (&in->sb_lock);
+  return e;
+}
+
+/* The bit off, once no region is marked and the clears are durable.  A
+ * region entered meanwhile counts in nregions before it waits for
+ * sb_lock (region_enter), and sets the bit again after us. */
+static void
+sb_off (struct bcf_cache *c)
+{
+  struct intent *in = &c->intent;
+  uint64_t seq;
+  unsigned n;
+  bool stuck;
+
+  pthread_mutex_lock (&in->lock);
+  n = in->nregions;
+  seq = in->last_clear_seq;
+  stuck = in->clear_failed;
+  pthread_mutex_unlock (&in->lock);
+  if (n || stuck || c->failed || (seq && journal_flush_seq (c, seq) < 0))
+    return;
+  pthread_mutex_lock (&in->sb_lock);
+  pthread_mutex_lock (&in->lock);
+  n = in->nregions;
+  pthread_mutex_unlock (&in->lock);
+  if (n == 0 && in->sb_flag && super_set_write_intent (c, false) == 0)
+    in->sb_flag = false;
+  pthread_mutex_unlock (&in->sb_lock);
+}
+
 /* Make region index durably marked and count a write in it.  Returns 0
  * or -errno (the write must then wait for its keys instead). */
 static int
@@ -213,7 +274,9 @@ region_enter (struct bcf_cache *c, uint64_t index)
   in->nregions++;
   pthread_mutex_unlock (&in->lock);
 
-  e = insert_mark (c, index, true, &seq);
+  e = sb_on (c);
+  if (e == 0)
+    e = insert_mark (c, index, true, &seq);
   if (e == 0)
     e = journal_flush_seq (c, seq);
 
@@ -279,8 +342,13 @@ clear_region (struct bcf_cache *c, struct region *r)
   pthread_mutex_lock (&in->lock);
   unlink_region (in, r);
   free (r);
-  if (e == 0)
+  if (e == 0) {
     atomic_fetch_add (&c->stats.intent_clears, 1);
+    if (seq > in->last_clear_seq)
+      in->last_clear_seq = seq;
+  }
+  else
+    in->clear_failed = true;    /* the mark may stay: so does the bit */
   pthread_cond_broadcast (&in->cond);
   pthread_mutex_unlock (&in->lock);
   return e;
@@ -304,9 +372,12 @@ intent_tick (struct bcf_cache *c, uint64_t quiet_ns)
     if (pick)
       pick->state = R_CLEARING;
     pthread_mutex_unlock (&in->lock);
-    if (!pick || clear_region (c, pick) < 0)
+    if (!pick)
+      break;
+    if (clear_region (c, pick) < 0)
       return;
   }
+  sb_off (c);
 }
 
 void

@@ -271,6 +271,44 @@ write_super (struct bcf_cache *c)
   return r;
 }
 
+/* Under ckpt_lock, which serialises the superblock's writers. */
+static int
+set_write_intent_locked (struct bcf_cache *c, bool on)
+{
+  struct bch_sb old;
+  int r;
+
+  old = c->sb;
+  if (on) {
+    c->sb.feature_incompat |= BCF_FEATURE_INCOMPAT_WRITE_INTENT;
+    if (c->sb.version < BCACHE_SB_VERSION_CDEV_WITH_FEATURES)
+      c->sb.version = BCACHE_SB_VERSION_CDEV_WITH_FEATURES;
+  }
+  else {
+    c->sb.feature_incompat &= ~BCF_FEATURE_INCOMPAT_WRITE_INTENT;
+    /* Version 5 only for features (bcache-tools' rule): without any,
+     * back to the version every kernel and bcache-super-show knows. */
+    if (!c->sb.feature_compat && !c->sb.feature_incompat &&
+        !c->sb.feature_ro_compat)
+      c->sb.version = BCACHE_SB_VERSION_CDEV_WITH_UUID;
+  }
+  r = memcmp (&old, &c->sb, sizeof old) ? write_super (c) : 0;
+  if (r < 0)
+    c->sb = old;
+  return r;
+}
+
+int
+super_set_write_intent (struct bcf_cache *c, bool on)
+{
+  int r;
+
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = set_write_intent_locked (c, on);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  return r;
+}
+
 /* Clear CACHE_SYNC on disk, so the next open runs first registration
  * (starts empty) instead of trusting keys.  See bcf_cache_abandon.
  * The set gets a new uuid too: every journal entry's magic derives from
@@ -775,7 +813,11 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   if ((r = alloc_prio_write (c)) < 0 ||
       (write_uuids && (r = uuid_write (c)) < 0) ||
       (r = recover_intent (c)) < 0 ||
-      (r = btree_checkpoint (c)) < 0) {
+      (r = btree_checkpoint (c)) < 0 ||
+      /* The marks' clears are committed: no kernel need refuse it now
+       * (intent.c). */
+      ((c->sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT) &&
+       (r = set_write_intent_locked (c, false)) < 0)) {
     snprintf (err, errlen, "opening %s: writing metadata: %s",
               bcf_io_path (c->io), strerror (-r));
     return r;

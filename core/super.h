@@ -2,6 +2,9 @@
 #ifndef BCACHEFILTER_SUPER_H
 #define BCACHEFILTER_SUPER_H
 
+#include <stdbool.h>
+#include <stddef.h>
+
 struct bcf_cache;
 
 /* Open the cache on c->io according to c->opts.format: format a blank
@@ -12,5 +15,9 @@ int super_open (struct bcf_cache *c, char *err, size_t errlen);
 /* Free what super_open built. */
 void super_close_state (struct bcf_cache *c);
 int super_abandon (struct bcf_cache *c);
+/* Set or clear BCF_FEATURE_INCOMPAT_WRITE_INTENT in the superblock on
+ * disk (the version is 5 while it is set), durably.  Takes ckpt_lock.
+ * Returns 0 or -errno (the superblock in memory is then unchanged). */
+int super_set_write_intent (struct bcf_cache *c, bool on);
 
 #endif

@@ -513,6 +513,7 @@ incompat_name (uint64_t bit)
   switch (bit) {
   case BCH_FEATURE_INCOMPAT_OBSO_LARGE_BUCKET: return "OBSO_LARGE_BUCKET";
   case BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET:  return "LOG_LARGE_BUCKET_SIZE";
+  case BCF_FEATURE_INCOMPAT_WRITE_INTENT:      return "BCF_WRITE_INTENT";
   default:                                     return NULL;
   }
 }

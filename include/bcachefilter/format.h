@@ -97,10 +97,17 @@ uint64_t bch_crc64 (const void *data, size_t len);
 /* Incompat feature bits (features.h).  No compat or ro_compat bits exist. */
 #define BCH_FEATURE_INCOMPAT_OBSO_LARGE_BUCKET  0x0001ull
 #define BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET   0x0002ull
+/* bcachefilter's own, the highest bit (far from the kernel's, which it
+ * does not know, so it refuses the cache: research/bcache.md §1.2): set
+ * while write-intent regions may be marked (core/intent.c).  Their clean
+ * data may be older than the backing store after a crash, which only
+ * the filter's recovery knows to drop; a kernel must not serve it. */
+#define BCF_FEATURE_INCOMPAT_WRITE_INTENT       0x8000000000000000ull
 #define BCH_FEATURE_COMPAT_SUPP                 0ull
 #define BCH_FEATURE_RO_COMPAT_SUPP              0ull
 #define BCH_FEATURE_INCOMPAT_SUPP \
-  (BCH_FEATURE_INCOMPAT_OBSO_LARGE_BUCKET | BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET)
+  (BCH_FEATURE_INCOMPAT_OBSO_LARGE_BUCKET | \
+   BCH_FEATURE_INCOMPAT_LOG_LARGE_BUCKET | BCF_FEATURE_INCOMPAT_WRITE_INTENT)
 
 /* The superblock magic, bytes 24..39. */
 extern const uint8_t bch_sb_magic[16];

@@ -87,6 +87,10 @@ def decode(area):
         d["nbuckets"] = struct.unpack_from("<Q", area, 184)[0]
         d["bucket_size"] = struct.unpack_from("<H", area, 194)[0]
         d["sync"] = bool(flags & 1)
+        # Feature words exist from version 5 (bcachefilter sets bit 63,
+        # its write-intent bit, while write-intent marks may exist).
+        d["feature_incompat"] = struct.unpack_from("<Q", area, 128)[0] \
+            if version == 5 else 0
     return d
 
 

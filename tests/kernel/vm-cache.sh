@@ -14,11 +14,23 @@
 #   KWRITES=1               write /data/pat at the "OFFSET LENGTH" lines of
 #                           /data/kwrites (writethrough), read them back
 #   GC=1                    trigger a GC pass in each set
+#   REFUSE="DEV:CSET"       (optional) a cache the kernel must refuse to
+#                           register (the filter's write-intent bit);
+#                           registered first, and never attached
 # Prints "RESULT ..." lines for the host (tests/kernel/kernel.sh vm_said,
 # vm_value).
 . /vm-lib.sh
 . /data/params
 S=/sys/fs/bcache
+
+if [ -n "$REFUSE" ]; then
+  dev=${REFUSE%%:*} set=${REFUSE#*:}
+  echo "== register cache $dev (must be refused)"
+  echo $dev > $S/register 2>/dev/null && echo "  register $dev: accepted"
+  usleep 500000
+  if [ -d $S/$set ]; then echo "RESULT refused-registered $set"
+  else echo "RESULT refused-refused $set"; fi
+fi
 
 for c in $CACHES; do
   dev=${c%%:*} set=${c#*:}

@@ -317,6 +317,94 @@ START_TEST (test_abandon_then_reuse)
 }
 END_TEST
 
+/* The superblock on disk, decoded. */
+static void
+read_disk_super (const char *path, struct bch_sb *sb)
+{
+  uint8_t buf[BCH_SB_AREA_SIZE];
+  int fd = open (path, O_RDONLY);
+
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (pread (fd, buf, sizeof buf, BCH_SB_OFFSET),
+                    (ssize_t) sizeof buf);
+  close (fd);
+  ck_assert_int_eq (bch_sb_decode (buf, sizeof buf, sb, NULL), BCH_OK);
+}
+
+static bool
+disk_intent_bit (const char *path, uint64_t *version)
+{
+  struct bch_sb sb;
+
+  read_disk_super (path, &sb);
+  *version = sb.version;
+  return sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT;
+}
+
+/* While a write-intent mark may be on disk, the superblock carries the
+ * incompatible feature bit a kernel refuses (intent.c): set before the
+ * first mark, cleared once the marks are cleared durably (the journal
+ * thread's quiet tick, a clean close), or by the open that recovered the
+ * marks a crash left.  Without it a kernel registered a crashed cache
+ * and served clean data older than the backing store (the kernel test's
+ * crash case). */
+START_TEST (test_intent_feature_bit)
+{
+  struct fixture f;
+  struct bcf_write w;
+  uint64_t version;
+  uint8_t *data = calloc (1, 65536);
+
+  fixture_init (&f, "intentbit.img", 16 << 20, 64 << 20, 256);
+  f.opts.direct_off = true;             /* the crash model works on files */
+  fixture_open (&f);
+  ck_assert (!disk_intent_bit (f.path, &version));
+  ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_UUID);
+
+  for (int round = 0; round < 2; round++) {
+    /* Cached data, then a write over it: ordered, so it marks. */
+    ck_assert_int_eq (bcf_insert (f.c, 0, 65536, data, false, true), 0);
+    memset (data, 0x11 + round, 65536);
+    ck_assert_int_eq (bcf_write_begin (f.c, 0, 65536, data, &w), 0);
+    ck_assert (w.intent);
+    ck_assert_msg (disk_intent_bit (f.path, &version),
+                   "round %d: a region is marked, the superblock on disk "
+                   "has no write-intent bit", round);
+    ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_FEATURES);
+    ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), 65536);
+    bcf_write_release (f.c, &w);
+    /* The journal thread's tick, after quiet_ns without writes. */
+    intent_tick (f.c, 0);
+    ck_assert_uint_eq (intent_marked (f.c), 0);
+    ck_assert_msg (!disk_intent_bit (f.path, &version),
+                   "round %d: no region is marked, the bit is still set",
+                   round);
+    ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_UUID);
+  }
+
+  /* A crash with a region marked: the bit survives it, the next open
+   * recovers the marks and clears it. */
+  ck_assert_int_eq (bcf_insert (f.c, 1 << 20, 65536, data, false, true), 0);
+  ck_assert_int_eq (bcf_write_begin (f.c, 1 << 20, 65536, data, &w), 0);
+  ck_assert (w.intent);
+  ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), 65536);
+  bcf_write_release (f.c, &w);
+  bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  f.c = NULL;
+  ck_assert (disk_intent_bit (f.path, &version));
+  fixture_open (&f);
+  ck_assert_msg (!disk_intent_bit (f.path, &version),
+                 "the open that recovered the marks left the bit set");
+  ck_assert (!(bcf_cache_super (f.c)->feature_incompat &
+               BCF_FEATURE_INCOMPAT_WRITE_INTENT));
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_close (&f);
+  ck_assert (!disk_intent_bit (f.path, &version));
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The cache-miss protocol: an invalidation between begin and fill makes
  * the fill collide, and nothing is cached. */
 START_TEST (test_miss_collision)
@@ -1706,6 +1794,7 @@ engine_suite (void)
   add (s, "invalidate_after_failure", test_invalidate_after_failure);
   add (s, "abandon_then_reuse", test_abandon_then_reuse);
   add (s, "invalidate_empty", test_invalidate_empty);
+  add (s, "intent_feature_bit", test_intent_feature_bit);
   {
     TCase *tc = tcase_create ("clean_close_keeps_clean_marks");
     tcase_add_loop_test (tc, test_clean_close_keeps_clean_marks, 0, 2);

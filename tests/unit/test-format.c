@@ -1185,8 +1185,12 @@ START_TEST (test_sb_validation)
   sb.version = BCACHE_SB_VERSION_CDEV_WITH_FEATURES;
   sb.feature_incompat = 0x4;
   SB_EXPECT (&sb, BCH_ERR_FEATURES);
-  sb.feature_incompat = 1ull << 63;
+  sb.feature_incompat = 1ull << 62;
   SB_EXPECT (&sb, BCH_ERR_FEATURES);
+  /* Ours, which a kernel refuses (the bit it does not know), we take. */
+  sb.feature_incompat = BCF_FEATURE_INCOMPAT_WRITE_INTENT;
+  ck_assert_uint_eq (BCF_FEATURE_INCOMPAT_WRITE_INTENT, 1ull << 63);
+  SB_EXPECT (&sb, BCH_OK);
   sb.feature_incompat = 0;
   sb.feature_compat = 1;
   SB_EXPECT (&sb, BCH_ERR_FEATURES);
