@@ -218,6 +218,7 @@ static struct nbdkit_filter filter = {
   .longname = "bcachefilter " PACKAGE_VERSION ": a persistent cache in "
               "bcache's on-disk format",
   .load = filter_load,
+  .unload = filter_unload,
   .config = filter_config,
   .config_complete = filter_config_complete,
   .config_help = filter_config_help,

@@ -4,6 +4,7 @@
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bcachefilter/format.h"
@@ -116,6 +117,24 @@ parse_mode (const char *value, char *err, size_t errlen)
 
 /* ---- .config ---------------------------------------------------------------------- */
 
+/* nbdkit changes directory to / when it forks into the background, after
+ * .get_ready: the control socket is made and a cache may be opened after
+ * that, so relative paths are made absolute here (nbdkit_absolute_path),
+ * and freed at .unload. */
+static char *path_buf, *ctl_path_buf;
+
+static int
+set_path (char **buf, const char *value)
+{
+  char *abs = nbdkit_absolute_path (value);
+
+  if (!abs)
+    return -1;                  /* nbdkit_absolute_path said why */
+  free (*buf);
+  *buf = abs;
+  return 0;
+}
+
 int
 filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
                const char *key, const char *value)
@@ -138,7 +157,9 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       nbdkit_error ("bcache=: give the path of the cache device or file");
       return -1;
     }
-    cfg.path = value;
+    if (set_path (&path_buf, value) < 0)
+      return -1;
+    cfg.path = path_buf;
   }
   else if (strcmp (key, "bcache-size") == 0)
     return parse_size_param (key, value, 1 << 20, &cfg.create_size);
@@ -212,7 +233,9 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       nbdkit_error ("bcache-ctl=: give the path of the control socket");
       return -1;
     }
-    cfg.ctl_path = value;
+    if (set_path (&ctl_path_buf, value) < 0)
+      return -1;
+    cfg.ctl_path = ctl_path_buf;
   }
   else if (strcmp (key, "bcache-node-cache") == 0)
     return parse_size_param (key, value, 1 << 20, &cfg.node_cache);
@@ -321,6 +344,14 @@ print_version_field (void)
  * loads no filter at all.  So when nbdkit was started to print versions,
  * the filter adds its own line after nbdkit's (at exit).  Otherwise it
  * only says its version in the debug output. */
+void
+filter_unload (void)
+{
+  free (path_buf);
+  free (ctl_path_buf);
+  path_buf = ctl_path_buf = NULL;
+}
+
 void
 filter_load (void)
 {

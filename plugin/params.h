@@ -76,6 +76,8 @@ int filter_config_complete (nbdkit_next_config_complete *next,
 
 /* .load: make the filter's own version visible (params.c says where). */
 void filter_load (void);
+/* .unload: free what .config kept. */
+void filter_unload (void);
 
 /* A cache mode, for bcache-mode= and the control socket's set
  * cache_mode: the mode, or -1 with the reason in err. */

@@ -205,3 +205,23 @@ nbdio "$p_sock" dump "$d/dump"
 cmp "$d/dump" "$d/expect" || fail "wrong data through the proxy"
 stop_nbdkit "$p_pid"
 test ! -e "$ctl" || fail "the control socket was left behind after a clean stop"
+
+# Relative paths with nbdkit in the background, where it changes to /
+# when it forks: the cache and the control socket are made where they
+# were named from, not under /.
+rm -f "$d/bg.pid"
+(cd "$d" && nbdkit -P "$d/bg.pid" -U "$d/bg.sock" --filter="$BCACHEFILTER_SO" \
+     nbd socket="$remote_sock" bcache=bg.cache bcache-size=64M \
+     bcache-ctl=bg.ctl 2> "$d/bg.log")
+for (( i = 0; i < 100; i++ )); do [ -s "$d/bg.pid" ] && break; sleep 0.1; done
+bgpid="$(cat "$d/bg.pid")"
+cleanup_fn kill "$bgpid"
+nbdio "$d/bg.sock" sha 0 1M > /dev/null
+test -S "$d/bg.ctl" || fail "bcache-ctl=bg.ctl: no socket in the directory nbdkit started in"
+bcachefilter-ctl -s "$d/bg.ctl" stats | grep -E '^cache_hits ' ||
+    fail "the control socket of the background proxy does not answer"
+test -f "$d/bg.cache" || fail "bcache=bg.cache: no cache file where it was named"
+test ! -e /bg.cache && test ! -e /bg.ctl || fail "a relative path was taken from /"
+kill "$bgpid"
+for (( i = 0; i < 100; i++ )); do kill -0 "$bgpid" 2>/dev/null || break; sleep 0.1; done
+! kill -0 "$bgpid" 2>/dev/null || fail "the background proxy did not stop"
