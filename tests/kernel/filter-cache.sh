@@ -146,6 +146,11 @@ filter_cache_case ()
 
     # 2, 3. The kernel's turn, with the data region poisoned.
     dd if="$img" of="$d/orig.img" bs=8192 skip=1 status=none
+    # Where the cache holds dirty keys (after a kill -9: a write whose key
+    # was durable before its backing write was done), the cache has the
+    # newest data, and a kernel serves it, as for any dirty key.
+    kcheck dirty-overlay "$d/btree.json" "$c" "$d/orig.img" \
+        --sectors $((data / 512)) --shift 16
     cp --sparse=always "$img" "$d/backing.img"
     bcachesb poison "$d/backing.img" 0xA5
     cp --sparse=always "$c" "$d/vmcache.img"

@@ -17,6 +17,12 @@
 #       the sectors a cache holds data for, from bcachefilter-show --btree
 #       -v --json, as client sectors (key sector - D, clipped to
 #       [0, N)): a JSON list of [start, end) runs
+#   kcheck.py dirty-overlay BTREE_JSON CACHE IMG --sectors N [--shift D]
+#       write into IMG (client sectors) the cache's data of every dirty
+#       key: where the cache holds dirty data, it, not the backing store,
+#       has the newest data, and a kernel serves it from the cache (a
+#       kill -9 can leave a write's dirty key durable before its backing
+#       write).  Prints how many sectors.
 #   kcheck.py compare --dump F --expect F --cached F --poison BYTE
 #       what was read through a cache whose backing copy was poisoned:
 #       every cached sector must read as expected, every other as the
@@ -149,6 +155,30 @@ def cmd_cached(a):
                       "sectors": sum(e - s for s, e in merged)}))
 
 
+def cmd_dirty_overlay(a):
+    j = json.load(open(a.btree))
+    n = 0
+    with open(a.cache, "rb") as c, open(a.img, "r+b") as out:
+        for node in j["nodes"]:
+            if node["level"] != 0:
+                continue
+            for k in node.get("key_list", []):
+                if (k["inode"] != 0 or not k["dirty"] or k["check"] or
+                        k["stale"] or not k["ptrs"]):
+                    continue
+                s = max(k["start"] - a.shift, 0)
+                e = min(k["offset"] - a.shift, a.sectors)
+                if s >= e:
+                    continue
+                src = k["ptrs"][0]["offset"] + (s + a.shift - k["start"])
+                c.seek(src * SECTOR)
+                data = c.read((e - s) * SECTOR)
+                out.seek(s * SECTOR)
+                out.write(data)
+                n += e - s
+    print(json.dumps({"dirty_sectors": n}))
+
+
 def cmd_compare(a):
     dump = open(a.dump, "rb").read()
     expect = open(a.expect, "rb").read()
@@ -273,6 +303,11 @@ def main():
     s.add_argument("--shift", type=int, default=0)
     s.add_argument("--out", required=True)
     s.set_defaults(f=cmd_cached)
+    s = sp.add_parser("dirty-overlay")
+    s.add_argument("btree"); s.add_argument("cache"); s.add_argument("img")
+    s.add_argument("--sectors", type=int, required=True)
+    s.add_argument("--shift", type=int, default=0)
+    s.set_defaults(f=cmd_dirty_overlay)
     s = sp.add_parser("compare")
     s.add_argument("--dump", required=True); s.add_argument("--expect", required=True)
     s.add_argument("--cached", required=True); s.add_argument("--poison", required=True)
