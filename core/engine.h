@@ -457,7 +457,9 @@ struct intent {
   uint64_t last_clear_seq;      /* journal entry of the newest clear */
   bool clear_failed;            /* a mark may be left: keep the bit */
   /* sb_lock (taken before ckpt_lock, never inside intent.lock) orders
-   * the superblock's write-intent bit: sb_flag says it is set on disk. */
+   * the superblock's write-intent bit: sb_flag says it is set on disk.
+   * It mirrors c->sb's bit so that marking a region takes ckpt_lock
+   * (held by a checkpoint across its I/O) only when the bit changes. */
   pthread_mutex_t sb_lock;
   bool sb_flag;
 };

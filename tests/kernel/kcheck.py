@@ -130,19 +130,25 @@ def cached_bitmap(runs, n):
     return bm
 
 
-def cmd_cached(a):
-    j = json.load(open(a.btree))
-    runs = []
-    for node in j["nodes"]:
+def leaf_keys(btree, inode, shift, sectors):
+    """The data keys of inode in a bcachefilter-show --btree -v --json
+    dump, each with its client sectors [s, e) (key sector - shift,
+    clipped to [0, sectors)); keys outside are left out."""
+    for node in btree["nodes"]:
         if node["level"] != 0:
             continue
         for k in node.get("key_list", []):
-            if k["inode"] != a.inode or k["check"] or k["stale"] or not k["ptrs"]:
+            if k["inode"] != inode or k["check"] or k["stale"] or not k["ptrs"]:
                 continue
-            s = max(k["start"] - a.shift, 0)
-            e = min(k["offset"] - a.shift, a.sectors)
+            s = max(k["start"] - shift, 0)
+            e = min(k["offset"] - shift, sectors)
             if s < e:
-                runs.append([s, e])
+                yield k, s, e
+
+
+def cmd_cached(a):
+    j = json.load(open(a.btree))
+    runs = [[s, e] for _, s, e in leaf_keys(j, a.inode, a.shift, a.sectors)]
     runs.sort()
     merged = []
     for s, e in runs:
@@ -159,23 +165,13 @@ def cmd_dirty_overlay(a):
     j = json.load(open(a.btree))
     n = 0
     with open(a.cache, "rb") as c, open(a.img, "r+b") as out:
-        for node in j["nodes"]:
-            if node["level"] != 0:
+        for k, s, e in leaf_keys(j, 0, a.shift, a.sectors):
+            if not k["dirty"]:
                 continue
-            for k in node.get("key_list", []):
-                if (k["inode"] != 0 or not k["dirty"] or k["check"] or
-                        k["stale"] or not k["ptrs"]):
-                    continue
-                s = max(k["start"] - a.shift, 0)
-                e = min(k["offset"] - a.shift, a.sectors)
-                if s >= e:
-                    continue
-                src = k["ptrs"][0]["offset"] + (s + a.shift - k["start"])
-                c.seek(src * SECTOR)
-                data = c.read((e - s) * SECTOR)
-                out.seek(s * SECTOR)
-                out.write(data)
-                n += e - s
+            c.seek((k["ptrs"][0]["offset"] + s + a.shift - k["start"]) * SECTOR)
+            out.seek(s * SECTOR)
+            out.write(c.read((e - s) * SECTOR))
+            n += e - s
     print(json.dumps({"dirty_sectors": n}))
 
 
