@@ -610,6 +610,29 @@ alloc_sectors (struct bcf_cache *c, uint32_t sectors, bool dirty,
   }
 }
 
+/* Why: a bucket is closed (state available) as soon as its last sectors
+ * are allocated, before the write that took them has inserted its keys.
+ * A GC pass that starts then, or that had walked past the key's position
+ * when it is inserted, computes the bucket's mark without the key and
+ * would make a bucket holding dirty data reclaimable: its data, the only
+ * copy of an acknowledged writeback write, would be reused (clean keys
+ * only go stale, which is safe).  Marking at insert time closes both. */
+void
+alloc_mark_dirty (struct bcf_cache *c, uint64_t ptr)
+{
+  struct alloc_state *a = &c->alloc;
+  uint64_t bi = bucket_of_ptr (c, ptr);
+
+  if (!a->buckets || bi >= a->nbuckets)
+    return;
+  pthread_mutex_lock (&a->lock);
+  if (a->buckets[bi].mark != GC_MARK_METADATA) {
+    a->buckets[bi].mark = GC_MARK_DIRTY;
+    a->buckets[bi].gc_flags |= BUCKET_DIRTIED;
+  }
+  pthread_mutex_unlock (&a->lock);
+}
+
 void
 alloc_put (struct bcf_cache *c, uint64_t ptr)
 {

@@ -545,6 +545,8 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
                       dirty_in (&n->keys, inode, s, e) - dirty_before,
                       __ATOMIC_RELAXED);
   c->tree.leaf_inserts++;
+  if (ckey_dirty (k) && ckey_has_ptr (k))
+    alloc_mark_dirty (c, k->ptr);
   if (survives && ckey_has_ptr (k) && !ckey_is_check (k))
     n->open_jdata = true;
   c->tree.nkeys += n->keys.nr - before;

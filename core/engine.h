@@ -71,7 +71,7 @@ struct bucket {
   uint8_t mark;             /* enum gc_mark */
   uint16_t prio;
   uint8_t state;            /* BUCKET_* below */
-  uint8_t gc_flags;         /* GC bookkeeping (gc.c) */
+  uint8_t gc_flags;         /* GC bookkeeping (gc.c; BUCKET_DIRTIED) */
   uint16_t pin;             /* data writes in flight into the bucket */
   uint32_t sectors_used;
 };
@@ -157,6 +157,12 @@ int alloc_sectors (struct bcf_cache *c, uint32_t sectors, bool dirty,
                    uint64_t *ptr);
 /* The data write to ptr (from alloc_sectors) has finished and its key is
  * inserted or abandoned: unpin the bucket. */
+/* A dirty key pointing into ptr's bucket went into the tree: mark the
+ * bucket dirty now, and tell a GC pass in progress (BUCKET_DIRTIED in
+ * gc_flags) that its marks for the bucket may predate the key.  Under
+ * tree_lock (alloc.lock nests inside). */
+void alloc_mark_dirty (struct bcf_cache *c, uint64_t ptr);
+enum { BUCKET_DIRTIED = 1 << 7 };
 void alloc_put (struct bcf_cache *c, uint64_t ptr);
 /* A metadata bucket (old btree node, old prio bucket) is no longer
  * referenced by anything on disk: make it invalidatable. */

@@ -116,6 +116,7 @@ pass_start (struct bcf_cache *c, struct gc_pass *p)
   for (uint64_t b = 0; b < nb; b++) {
     p->start_gen[b] = a->buckets[b].gen;
     p->oldest[b] = a->buckets[b].gen;
+    a->buckets[b].gc_flags &= (uint8_t) ~BUCKET_DIRTIED;
     if (a->buckets[b].state == BUCKET_AVAILABLE)
       a->buckets[b].gc_flags |= GC_AVAILABLE_AT_START;
     else
@@ -213,6 +214,8 @@ pass_finish (struct bcf_cache *c, struct gc_pass *p)
       continue;
     if (bk->mark == GC_MARK_METADATA)
       continue;                 /* released metadata is marked free already */
+    if ((bk->gc_flags & BUCKET_DIRTIED) && p->mark[b] != GC_MARK_DIRTY)
+      continue;                 /* a dirty key came in behind the pass */
     bk->mark = p->mark[b];
     bk->sectors_used = p->used[b] < c->bucket_sectors ?
                        p->used[b] : (uint32_t) c->bucket_sectors;
