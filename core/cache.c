@@ -224,6 +224,19 @@ bcf_cache_backing_size (const struct bcf_cache *c)
   return c->backing_sectors << BCH_SECTOR_SHIFT;
 }
 
+void
+bcf_cache_log (struct bcf_cache *c, enum bcf_log_level level,
+               const char *fmt, ...)
+{
+  char msg[1024];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (msg, sizeof msg, fmt, ap);
+  va_end (ap);
+  bcf_log (c, level, "%s", msg);
+}
+
 uint64_t
 bcf_cache_dirty_bytes (struct bcf_cache *c)
 {

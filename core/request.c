@@ -63,6 +63,33 @@
  *       a restart to write back;
  *   W5. bcf_bypass_end.
  *
+ * Writeback mode (should_write_back: bcache's should_writeback and its
+ * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
+ * (write_back), journalled, waiting for the journal only for FUA; and
+ * the write is acknowledged: no W3, the writeback thread writes the data
+ * back later (core/writeback.c), so W4 and W5 follow at once.  A flush
+ * makes the journal durable and fails if it cannot.  Above the cutoffs,
+ * or with no room, the write is written through as above.
+ *
+ * Dirty data in the span (writeback mode, a switch away from it, a
+ * crash) changes two things, decided after W1, when only this write can
+ * change the span until W5 (span_dirty):
+ *  - a write that would leave partial blocks (invalidated at W2) reads
+ *    them first and writes the whole blocks (widen_write): invalidating
+ *    a partial block would drop the dirty bytes around the write, the
+ *    only copy of an acknowledged write.  Writeback mode widens every
+ *    unaligned write so that it can be cached;
+ *  - a write over dirty data is never bypassed, in any mode (bcache:
+ *    writes that overlap the writeback's keys): it is cached as a
+ *    writethrough write, whose dirty keys replace the old ones, durably
+ *    before the backing write where needed; an invalidation first would
+ *    drop the old dirty data before the backing store has the new, and a
+ *    crash between the two would serve the export's older data;
+ *  - a trim or zero first writes the
+ *    span's dirty data back and flushes it (write_back_span), so that
+ *    one the backing store fails leaves the last acknowledged write, not
+ *    the export's older data.
+ *
  * Why no read can cache data older than the backing store (I1, I2).  The
  * btree lock orders every check-key insert (step 1) against every cache
  * update of W2 (dirty keys, whiteouts, or the look of an invalidation
@@ -223,6 +250,9 @@ struct bcf_req {
   struct bcf_writeback *wb;
   struct bcf_writeback_stats wb_hand;
   pthread_mutex_t wb_hand_lock;
+  _Atomic uint64_t front_ios;           /* requests: the idle boost */
+  _Atomic uint64_t wb_writes, wb_cutoff_writes;
+  atomic_bool failing;          /* errors past the limit, dirty data kept */
 };
 
 /* What the request path decided about one request. */
@@ -237,6 +267,7 @@ bcf_cache_mode_parse (const char *name)
     [BCF_MODE_WRITETHROUGH] = "writethrough",
     [BCF_MODE_WRITEAROUND] = "writearound",
     [BCF_MODE_NONE] = "none",
+    [BCF_MODE_WRITEBACK] = "writeback",
   };
 
   for (int i = 0; i < (int) (sizeof names / sizeof names[0]); i++)
@@ -252,6 +283,7 @@ bcf_cache_mode_name (enum bcf_cache_mode m)
   case BCF_MODE_WRITETHROUGH: return "writethrough";
   case BCF_MODE_WRITEAROUND: return "writearound";
   case BCF_MODE_NONE: return "none";
+  case BCF_MODE_WRITEBACK: return "writeback";
   }
   return "unknown";
 }
@@ -497,11 +529,27 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   atomic_store (&r->cutoff, o->sequential_cutoff);
   /* Dirty keys a crash left are written back before anything treats the
    * cache as clean; until then they are served as the newest data. */
-  if (o->background &&
-      (!(r->wb = bcf_writeback_new (c, r->tracker, o->background, true)) ||
-       bcf_writeback_start (r->wb) < 0)) {
-    bcf_req_free (r);
-    return NULL;
+  if (o->background) {
+    struct bcf_writeback_tunables t;
+
+    if (!(r->wb = bcf_writeback_new (c, r->tracker, o->background,
+                                     o->mode != BCF_MODE_WRITEBACK))) {
+      bcf_req_free (r);
+      return NULL;
+    }
+    bcf_writeback_set_front (r->wb, &r->front_ios);
+    bcf_writeback_get_tunables (r->wb, &t);
+    if (o->writeback_percent)
+      t.percent = o->writeback_percent == BCF_WRITEBACK_PERCENT_ZERO ? 0
+                  : o->writeback_percent;
+    if (o->writeback_delay)
+      t.delay_s = o->writeback_delay == BCF_WRITEBACK_DELAY_ZERO ? 0
+                  : o->writeback_delay;
+    if (bcf_writeback_set_tunables (r->wb, &t) < 0 ||
+        bcf_writeback_start (r->wb) < 0) {
+      bcf_req_free (r);
+      return NULL;
+    }
   }
   for (unsigned i = 0; i < FILL_WORKERS; i++) {
     r->wargs[i] = (struct fill_worker_arg) { .r = r, .idx = i };
@@ -547,10 +595,106 @@ bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m)
   case BCF_MODE_WRITETHROUGH:
   case BCF_MODE_WRITEAROUND:
   case BCF_MODE_NONE:
+  case BCF_MODE_WRITEBACK:
     atomic_store (&r->mode, (int) m);
+    /* Away from writeback the thread drains what is dirty at full
+     * speed; dirty data stays readable meanwhile (it is the newest). */
+    if (r->wb) {
+      struct bcf_writeback_tunables t;
+      bcf_writeback_get_tunables (r->wb, &t);
+      t.writeback = m == BCF_MODE_WRITEBACK;
+      bcf_writeback_set_tunables (r->wb, &t);
+    }
     return 0;
   }
   return -EINVAL;
+}
+
+/* Change one writeback knob (fn) and apply it. */
+static int
+set_tunable (struct bcf_req *r, bool (*fn) (struct bcf_writeback_tunables *t,
+                                            unsigned v), unsigned v)
+{
+  struct bcf_writeback_tunables t;
+
+  if (!r->wb)
+    return -ENOTSUP;
+  bcf_writeback_get_tunables (r->wb, &t);
+  if (!fn (&t, v))
+    return -EINVAL;
+  return bcf_writeback_set_tunables (r->wb, &t);
+}
+
+static bool
+tune_percent (struct bcf_writeback_tunables *t, unsigned v)
+{
+  t->percent = v;
+  return v <= 100;
+}
+
+static bool
+tune_delay (struct bcf_writeback_tunables *t, unsigned v)
+{
+  t->delay_s = v;
+  return true;
+}
+
+static bool
+tune_running (struct bcf_writeback_tunables *t, unsigned v)
+{
+  t->running = v != 0;
+  return true;
+}
+
+static bool
+tune_update (struct bcf_writeback_tunables *t, unsigned v)
+{
+  t->update_seconds = v;
+  return v >= 1 && v <= 60;
+}
+
+int
+bcf_req_set_writeback_percent (struct bcf_req *r, unsigned percent)
+{
+  return set_tunable (r, tune_percent, percent);
+}
+
+int
+bcf_req_set_writeback_delay (struct bcf_req *r, unsigned seconds)
+{
+  return set_tunable (r, tune_delay, seconds);
+}
+
+int
+bcf_req_set_writeback_running (struct bcf_req *r, bool running)
+{
+  return set_tunable (r, tune_running, running);
+}
+
+int
+bcf_req_set_writeback_update_seconds (struct bcf_req *r, unsigned s)
+{
+  return set_tunable (r, tune_update, s);
+}
+
+int
+bcf_req_writeback_hurry (struct bcf_req *r)
+{
+  if (!r->wb)
+    return -ENOTSUP;
+  bcf_writeback_hurry (r->wb);
+  return 0;
+}
+
+int
+bcf_req_flush_dirty (struct bcf_req *r, const struct bcf_backing *b,
+                     unsigned timeout_ms,
+                     void (*progress) (void *opaque, uint64_t dirty),
+                     void *opaque)
+{
+  if (r->wb)
+    return bcf_writeback_flush (r->wb, timeout_ms, progress, opaque);
+  return bcf_req_writeback (r, b);
 }
 
 enum bcf_cache_mode
@@ -664,6 +808,29 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   pthread_mutex_lock (&r->fill_lock);
   st->fill_queue_bytes = r->fill_bytes;
   pthread_mutex_unlock (&r->fill_lock);
+  st->writeback_writes = atomic_load (&r->wb_writes);
+  st->writeback_cutoff_writes = atomic_load (&r->wb_cutoff_writes);
+  if (r->wb) {
+    struct bcf_writeback_tunables t;
+    struct bcf_writeback_stats w;
+
+    bcf_writeback_get_tunables (r->wb, &t);
+    bcf_writeback_get_stats (r->wb, &w);
+    st->writeback_percent = t.percent;
+    st->writeback_delay = t.delay_s;
+    st->writeback_update_seconds = t.update_seconds;
+    st->writeback_running = t.running;
+    st->writeback_flushing = w.flushing;
+    st->cache_in_use = w.in_use;
+    st->wb_rate = w.rate.rate;
+    st->wb_dirty = w.rate.dirty;
+    st->wb_target = w.rate.target;
+    st->wb_proportional = w.rate.proportional;
+    st->wb_integral = w.rate.integral_scaled;
+    st->wb_change = w.rate.change;
+    st->wb_next_io_ns = w.rate.next_ns;
+    st->wb_at_max = w.rate.at_max;
+  }
 }
 
 /* ---- helpers ---------------------------------------------------------------------- */
@@ -746,6 +913,23 @@ abandon_device (struct bcf_req *r)
 static void
 go_passthrough (struct bcf_req *r)
 {
+  uint64_t dirty = bcf_cache_dirty_bytes (r->c);
+
+  /* Giving the cache up would lose the dirty data in it, the only copy
+   * of acknowledged writes: keep it in service until that is written
+   * back (dirty hits that cannot be read fail with EIO, never serve the
+   * export's older data), cache no new writes as dirty, and try again
+   * at the next error.  Writes whose invalidation cannot be made durable
+   * fail meanwhile (cache_update_failed: not abandoned). */
+  if (dirty > 0 && bcf_cache_device_lost (r->c) == NULL) {
+    if (!atomic_exchange (&r->failing, true))
+      bcf_cache_log (r->c, BCF_LOG_WARN, "the cache device is failing while it "
+                           "holds %" PRIu64 " bytes of dirty data (at risk: "
+                           "they exist nowhere else); not giving it up "
+                           "until they are written back, new writes are "
+                           "written through", dirty);
+    return;
+  }
   atomic_store (&r->passthrough, true);
   abandon_device (r);
 }
@@ -802,6 +986,15 @@ backing_pread (const struct bcf_backing *b, void *buf, uint64_t len,
 {
   return b->ops->pread (b->opaque, buf, (uint32_t) len, offset);
 }
+
+static int
+backing_pwrite (const struct bcf_backing *b, const void *buf, uint64_t len,
+                uint64_t offset)
+{
+  return b->ops->pwrite (b->opaque, buf, (uint32_t) len, offset, false);
+}
+
+static int has_dirty (struct bcf_req *r, struct span s);
 
 /* ---- reads ------------------------------------------------------------------------ */
 
@@ -960,6 +1153,7 @@ bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
   bool bypass;
 
   offset += r->offset;
+  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   bypass = should_bypass (r, offset, count);
 
   return do_read (r, b, buf, count, offset, bypass);
@@ -1102,6 +1296,105 @@ complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc)
   bcf_write_release (r->c, w);
 }
 
+/* Does the span hold dirty data (a lookup that fails: assume so)?  Asked
+ * after W1, the answer holds until W5: only this write can change the
+ * span meanwhile (the tracker's ordering covers the writeback too). */
+static bool
+span_dirty (struct bcf_req *r, struct span s)
+{
+  return bcf_cache_dirty_bytes (r->c) > 0 && has_dirty (r, s) != 0;
+}
+
+/* Writeback mode: should this write be acknowledged from the cache
+ * (bcache's should_writeback)?  Above cutoff_writeback_sync never;
+ * a write over dirty data always (bcache: writes overlapping the
+ * writeback's keys, and no bypass for them); a bypassing write never;
+ * else a FUA write (bcache's REQ_SYNC) up to the sync cutoff, others up
+ * to cutoff_writeback.  Above the cutoffs writes are written through, so
+ * a cache full of dirty data slows writes to the export's speed and
+ * never blocks them. */
+static bool
+should_write_back (struct bcf_req *r, bool bypass, bool dirty, bool fua)
+{
+  unsigned in_use = r->wb ? bcf_writeback_in_use (r->wb) : 0;
+
+  if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
+      atomic_load (&r->failing))
+    return false;
+  if (in_use > BCF_WB_CUTOFF_SYNC ||
+      (!dirty && !bypass && !fua && in_use > BCF_WB_CUTOFF)) {
+    atomic_fetch_add (&r->wb_cutoff_writes, 1);
+    return false;
+  }
+  return dirty || !bypass;
+}
+
+/* Read-modify-write of the partial blocks at the ends of span s, for a
+ * write that is to cover s whole (written back, or over dirty data that
+ * an invalidation of the partial blocks would lose): *out gets the
+ * bytes [s.start, max (s.end, end)) with the client's data in place.
+ * The partial blocks are read as any read is, hits (dirty or clean) from
+ * the cache and the rest from the backing store, never cached.  Under
+ * the write's turn (W1): nothing else changes them until W5. */
+static int
+widen_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+             const void *buf, uint64_t count, uint64_t offset,
+             uint8_t **out, uint64_t *outlen)
+{
+  uint64_t end = offset + count, wend = end > s.end ? end : s.end;
+  uint8_t *w = malloc (wend - s.start);
+  bool hit, head = offset > s.start;
+  int rc = 0;
+
+  if (!w)
+    return -ENOMEM;
+  if (head)
+    rc = read_span (r, b, (struct span) { s.start, s.start + r->block }, w,
+                    true, &hit);
+  if (rc == 0 && end < s.end && !(head && s.end - r->block == s.start))
+    rc = read_span (r, b, (struct span) { s.end - r->block, s.end },
+                    w + (s.end - r->block - s.start), true, &hit);
+  if (rc < 0) {
+    free (w);
+    return rc;
+  }
+  memcpy (w + (offset - s.start), buf, count);
+  *out = w;
+  *outlen = wend - s.start;
+  return 0;
+}
+
+/* Writeback mode, W2 and the acknowledgement: the whole blocks in as
+ * dirty keys; with FUA on the journal before the write is acknowledged
+ * (the journal write flushes the device first, so the data is durable
+ * too).  No backing write: the writeback thread makes it later.
+ * Returns 1 if the write is done, 0 if it was not cached (the caller
+ * writes it through), -EIO if a FUA write's journal failed and the cache
+ * could not be given up either (cache_update_failed). */
+static int
+write_back (struct bcf_req *r, struct span in, const void *data, bool fua)
+{
+  struct bcf_write w;
+  int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, &w);
+
+  if (rc < 0) {
+    if (rc != -ENOSPC && rc != -EROFS)
+      device_error (r);
+    atomic_fetch_add (&r->wb_cutoff_writes, 1);
+    return 0;
+  }
+  if (fua && bcf_write_sync (r->c, &w) < 0) {
+    /* Not acknowledged: the write goes through instead (its keys are
+     * dropped; a restart that finds them writes the same data back). */
+    bcf_write_undo (r->c, &w);
+    bcf_write_release (r->c, &w);
+    return cache_update_failed (r);
+  }
+  bcf_write_release (r->c, &w);
+  atomic_fetch_add (&r->wb_writes, 1);
+  return 1;
+}
+
 int
 bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
@@ -1109,7 +1402,10 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   struct span s, in;
   struct bcf_bypass_token tok;
   struct bcf_write w;
-  bool insert, cached = false;
+  bool bypass = false, insert, dirty, back, cached = false, off;
+  const uint8_t *data;
+  uint8_t *wide = NULL;
+  uint64_t woff, wlen;
   int rc;
 
   offset += r->offset;
@@ -1120,37 +1416,122 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     return 0;
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
+  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   if (s.start >= s.end)         /* the uncached tail */
     return b->ops->pwrite (b->opaque, buf, count, offset, fua);
 
   /* In pass-through nothing is inserted, and nothing counted as bypassed
    * (the stream table and the counters are the cache's). */
-  insert = false;
-  if (!cache_off (r)) {
-    insert = !should_bypass (r, offset, count) &&
-             atomic_load (&r->mode) == BCF_MODE_WRITETHROUGH &&
-             in.start < in.end;
-    if (!insert)
-      bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
-  }
+  off = cache_off (r);
+  if (!off)
+    bypass = should_bypass (r, offset, count);
 
   register_change (r, s, &tok);                                /* W1 */
+  data = buf;
+  woff = offset;
+  wlen = count;
+  dirty = !off && span_dirty (r, s);
+  /* Over dirty data every mode caches the write as writethrough does:
+   * its dirty keys replace the old ones, on the journal before the
+   * backing write where a crash could bring the old ones back.  An
+   * invalidation instead would drop the old dirty data durably before
+   * the backing store has the write, and a crash between the two would
+   * leave the export's older data (time travel past a flush). */
+  insert = !off && (dirty || (!bypass &&
+                              atomic_load (&r->mode) != BCF_MODE_WRITEAROUND &&
+                              atomic_load (&r->mode) != BCF_MODE_NONE));
+  back = !off && should_write_back (r, bypass, dirty, fua);
+  if (!off && (dirty || back) &&
+      (in.start != s.start || in.end != s.end)) {
+    /* The whole span is written: the partial blocks' dirty data must
+     * not be invalidated, and writeback caches whole blocks only. */
+    if ((rc = widen_write (r, b, s, buf, count, offset, &wide, &wlen)) < 0) {
+      bcf_bypass_end (r->tracker, &tok);
+      return rc;
+    }
+    data = wide;
+    woff = s.start;
+    in = s;
+  }
+  if (back && in.start < in.end &&
+      (rc = write_back (r, in, data + (in.start - woff), fua)) != 0) {
+    bcf_bypass_end (r->tracker, &tok);
+    free (wide);
+    return rc < 0 ? rc : 0;
+  }
+  insert = insert && in.start < in.end;
+  if (!insert && !off)
+    bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+
   if (insert && !cache_off (r))                                /* W2 */
-    rc = cache_write (r, s, in, (const uint8_t *) buf + (in.start - offset),
-                      &w);
+    rc = cache_write (r, s, in, data + (in.start - woff), &w);
   else
     rc = invalidate_durably (r, s.start, s.end - s.start);
   if (insert && rc == 0)
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   if (rc < 0) {
     bcf_bypass_end (r->tracker, &tok);
+    free (wide);
     return rc;
   }
   cached = rc == 1;
-  rc = b->ops->pwrite (b->opaque, buf, count, offset, fua);   /* W3 */
+  rc = b->ops->pwrite (b->opaque, data, (uint32_t) wlen, woff, fua); /* W3 */
   if (cached)                                                 /* W4 */
     complete_cache_write (r, &w, rc);
   bcf_bypass_end (r->tracker, &tok);                           /* W5 */
+  free (wide);
+  return rc;
+}
+
+/* Under the turn of a trim or zero over s (W1): write the dirty data of
+ * s to the backing store, and flush it, before the invalidation removes
+ * it.  A trim or zero that then fails leaves the range as the last
+ * acknowledged write left it, never the older data the backing store
+ * had; one that succeeds makes this work moot, but trims of dirty data
+ * are rare enough not to be worth a cleverer order.  Returns 0 or
+ * -errno (nothing was changed: the data stays dirty). */
+static int
+write_back_span (struct bcf_req *r, const struct bcf_backing *b,
+                 struct span s)
+{
+  uint64_t pos = s.start;
+  uint8_t *buf = NULL;
+  bool wrote = false;
+  int rc = 0;
+
+  while (pos < s.end && rc == 0) {
+    struct bcf_extent ext[PLAN_EXTENTS];
+    unsigned n = 0;
+
+    if ((rc = bcf_dirty_scan (r->c, pos, ext, PLAN_EXTENTS, &n)) < 0 ||
+        n == 0)
+      break;
+    for (unsigned i = 0; i < n && rc == 0; i++) {
+      uint64_t a = ext[i].offset > pos ? ext[i].offset : pos;
+      uint64_t z = ext[i].offset + ext[i].len;
+
+      if (a >= s.end) {
+        pos = s.end;
+        break;
+      }
+      if (z > s.end)
+        z = s.end;
+      if (!buf && !(buf = malloc (PREFETCH_CHUNK)))
+        rc = -ENOMEM;
+      for (; rc == 0 && a < z; a += PREFETCH_CHUNK) {
+        uint64_t len = z - a < PREFETCH_CHUNK ? z - a : PREFETCH_CHUNK;
+        bool hit;
+        if ((rc = read_span (r, b, (struct span) { a, a + len }, buf, true,
+                             &hit)) == 0 &&
+            (rc = backing_pwrite (b, buf, len, a)) == 0)
+          wrote = true;
+      }
+      pos = z > pos ? z : pos;
+    }
+  }
+  free (buf);
+  if (rc == 0 && wrote)
+    rc = b->ops->flush (b->opaque);
   return rc;
 }
 
@@ -1171,8 +1552,13 @@ change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
     return fn (b, count, offset, arg);
+  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   register_change (r, s, &tok);
-  if ((rc = invalidate_durably (r, s.start, s.end - s.start)) == 0)
+  if (!cache_off (r) && span_dirty (r, s))
+    rc = write_back_span (r, b, s);
+  else
+    rc = 0;
+  if (rc == 0 && (rc = invalidate_durably (r, s.start, s.end - s.start)) == 0)
     rc = fn (b, count, offset, arg);
   bcf_bypass_end (r->tracker, &tok);
   return rc;
@@ -1224,20 +1610,32 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   int rc = b->ops->flush (b->opaque);
 
+  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   bcf_req_drain (r);
 
   /* Nothing acknowledged depends on the cache's journal in the clean
    * modes (invalidations are durable before their writes), but inserts
-   * are made durable too so that a flush also keeps the cache warm. */
-  if (rc == 0 && !cache_off (r) && bcf_flush (r->c) < 0)
+   * are made durable too so that a flush also keeps the cache warm.  In
+   * writeback mode, and wherever dirty data exists, the journal holds
+   * acknowledged writes: a flush that cannot make it durable fails. */
+  if (rc == 0 && !cache_off (r) && bcf_flush (r->c) < 0) {
     device_error (r);
+    if (atomic_load (&r->mode) == BCF_MODE_WRITEBACK ||
+        bcf_cache_dirty_bytes (r->c) > 0)
+      rc = -EIO;
+  }
   return rc;
 }
 
 int
 bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset)
 {
-  struct span s = span_of (r, offset + r->offset, count);
+  return has_dirty (r, span_of (r, offset + r->offset, count));
+}
+
+static int
+has_dirty (struct bcf_req *r, struct span s)
+{
   uint64_t pos = s.start;
 
   if (cache_off (r) || bcf_cache_dirty_bytes (r->c) == 0)

@@ -16,7 +16,8 @@
  *   B2. checks that the run's extents are still the dirty keys it found
  *       (bcf_dirty_still): a write that came first replaced them, and
  *       they are not written back (counted as keys_failed, as bcache's
- *       writeback_keys_failed);
+ *       writeback_keys_failed); then, once per batch, makes the journal
+ *       durable (bcf_flush; free when it already is): see below;
  *   B3. reads the run from the cache and writes it to the backing store,
  *       then lets later overlapping writes go (bcf_bypass_done);
  *   B4. flushes the backing store, ONCE FOR THE BATCH, and only then
@@ -31,6 +32,15 @@
  * cache, which dropped the dirty state, may later evict it: the write is
  * lost.  After B4 nothing can lose it.  The clean marks themselves are
  * not journalled: a crash that loses one finds the key dirty and writes
+ * the same data back again.
+ *
+ * Why the keys must be on the journal before B3: a writeback-mode write
+ * is acknowledged with its dirty key only in memory (FUA and flush make
+ * it durable).  Written back and marked clean, then lost by a crash
+ * before its journal entry was written, the key is gone while the
+ * backing store has its data, and an older clean key of the range, on
+ * disk, comes back: the cache would serve data older than the export
+ * (I2).  With the key durable first, the crash finds it dirty and writes
  * the same data back again.
  *
  * Why registering in the tracker (B1) keeps I1 and I2: a foreground
@@ -49,15 +59,25 @@
  * in read_errors: that data exists nowhere else, and the request path
  * fails reads of it with EIO rather than serve the export's older copy.
  *
- * When: with `drain` (the clean modes: writethrough, writearound, none)
- * the thread writes back whatever is dirty and then only looks again
- * every DRAIN_RECHECK_MS: in those modes dirty keys are those a crash
- * left (they must be written back before the cache can be treated as
- * clean) and, for a moment, those of writes in flight (which clean them
- * themselves).  bcf_writeback_kick wakes it at once.
+ * When.  In the clean modes (writethrough, writearound, none: `drain`,
+ * tunables.writeback false) the thread writes back whatever is dirty at
+ * full speed and then only looks again every DRAIN_RECHECK_MS: dirty
+ * keys are then those a crash or writeback mode left (they must be
+ * written back before the cache can be treated as clean) and, for a
+ * moment, those of writethrough writes in flight (which clean them
+ * themselves).  In writeback mode it follows bcache's writeback thread:
+ * batches in key order from where the last one ended, each at most one
+ * second's worth at the current rate, the rate limiter's delay between
+ * them (bcf_wb_pi_next_delay), writeback_delay after a full pass, and
+ * every update_seconds a round of the PI controller (bcf_wb_pi_update,
+ * bcache's constants, its fragmentation and idle boosts), which also
+ * measures the buckets in use that the request path's cutoffs read.  A
+ * flush (bcf_writeback_flush, bcf_writeback_hurry) runs it at full speed,
+ * ignoring the rate and writeback_running, until nothing is dirty.
  *
  * Locking: lock guards the state the thread and its callers share
- * (stop, kicks, the counters); the thread does its I/O with no lock.
+ * (stop, kicks, tunables, the controller, the counters); the thread does
+ * its I/O with no lock.  in_use is an atomic the request path reads.
  */
 #include "config.h"
 
@@ -93,15 +113,96 @@ struct bcf_writeback {
   struct bcf_cache *c;
   struct bcf_bypass *tracker;
   struct bcf_backing b;
-  bool drain;
+  _Atomic uint64_t *front_ios;           /* front-end requests so far */
+  uint64_t capacity_sectors;            /* of the cache's buckets */
+  _Atomic unsigned in_use;              /* bcf_writeback_in_use */
 
   pthread_mutex_t lock;
-  pthread_cond_t wake;
+  pthread_cond_t wake, flushed;
   bool stop, kicked, thread_started;
+  struct bcf_writeback_tunables t;
+  unsigned flushers;                    /* bcf_writeback_flush waiting */
+  bool hurry;                           /* full speed until clean */
+  uint64_t flush_gen;                   /* passes that ended clean */
+  int flush_rc;                         /* the last pass's result */
+  struct bcf_wb_pi pi;
+  uint64_t front_seen;                  /* front_ios at the last round */
   pthread_t thread;
   uint64_t passes, idle_passes;
   struct bcf_writeback_stats st;
 };
+
+/* ---- the rate controller ---------------------------------------------------------- */
+
+void
+bcf_wb_pi_init (struct bcf_wb_pi *pi, uint64_t now_ns)
+{
+  *pi = (struct bcf_wb_pi) { .rate = BCF_WB_RATE_INITIAL, .next_ns = now_ns };
+}
+
+/* bcache's __update_writeback_rate (6.1), line for line where it can be:
+ * P retires the excess over the target in about p_term_inverse seconds,
+ * I grows only while the device keeps up (no wind-up while the backing
+ * store is the bottleneck) and shrinks only while positive; above 50 %
+ * of buckets in use with fragmented dirty buckets, the fragmentation
+ * boost raises P (dongdong tao's fix for writes that bypass a cache full
+ * of half-empty dirty buckets, research/bcache.md §4.4).  Idle boost:
+ * after BCF_WB_IDLE_ROUNDS rounds without front-end I/O the rate is the
+ * maximum until I/O arrives. */
+void
+bcf_wb_pi_update (struct bcf_wb_pi *pi, const struct bcf_wb_pi_input *in)
+{
+  int64_t error = in->dirty - in->target;
+  int64_t prop = error / BCF_WB_P_TERM_INVERSE;
+  int64_t rate;
+
+  pi->idle_rounds = in->idle ? pi->idle_rounds + 1 : 0;
+  if (in->in_use > BCF_WB_FRAGMENT_LOW && in->dirty > 0 &&
+      in->dirty_buckets > 0) {
+    int64_t fragment = in->dirty_buckets * in->bucket_sectors / in->dirty;
+    int64_t fp_term;
+
+    if (in->in_use <= BCF_WB_FRAGMENT_MID)
+      fp_term = BCF_WB_FP_TERM_LOW * (in->in_use - BCF_WB_FRAGMENT_LOW);
+    else if (in->in_use <= BCF_WB_FRAGMENT_HIGH)
+      fp_term = BCF_WB_FP_TERM_MID * (in->in_use - BCF_WB_FRAGMENT_MID);
+    else
+      fp_term = BCF_WB_FP_TERM_HIGH * (in->in_use - BCF_WB_FRAGMENT_HIGH);
+    int64_t fps = in->dirty / in->dirty_buckets * fp_term;
+    if (fragment > 3 && fps > prop)
+      prop = fps;
+  }
+  if ((error < 0 && pi->integral > 0) ||
+      (error > 0 && in->now_ns < pi->next_ns + 1000000))
+    pi->integral += error * (int64_t) in->update_seconds;
+  pi->integral_scaled = pi->integral / BCF_WB_I_TERM_INVERSE;
+  rate = prop + pi->integral_scaled;
+  if (rate < BCF_WB_RATE_MINIMUM)
+    rate = BCF_WB_RATE_MINIMUM;
+  if (rate > BCF_WB_RATE_MAX)
+    rate = BCF_WB_RATE_MAX;
+  pi->at_max = pi->idle_rounds >= BCF_WB_IDLE_ROUNDS && in->dirty > 0;
+  if (pi->at_max)
+    rate = BCF_WB_RATE_MAX;
+  pi->proportional = prop;
+  pi->change = rate - pi->rate;
+  pi->rate = rate;
+  pi->target = in->target;
+  pi->dirty = in->dirty;
+}
+
+/* bcache's bch_next_delay: never more than 2 s behind (no backlog that
+ * could never be caught up), never more than 2.5 s ahead. */
+uint64_t
+bcf_wb_pi_next_delay (struct bcf_wb_pi *pi, uint64_t done, uint64_t now_ns)
+{
+  pi->next_ns += done * 1000000000ull / (uint64_t) pi->rate;
+  if (pi->next_ns > now_ns + 2500000000ull)
+    pi->next_ns = now_ns + 2500000000ull;
+  if (now_ns > 2000000000ull && pi->next_ns < now_ns - 2000000000ull)
+    pi->next_ns = now_ns - 2000000000ull;
+  return pi->next_ns > now_ns ? pi->next_ns - now_ns : 0;
+}
 
 /* ---- one batch --------------------------------------------------------------------- */
 
@@ -141,12 +242,14 @@ write_run (struct bcf_writeback *wb, const struct bcf_extent *ext,
  * Returns the number of runs; *used, the extents they take. */
 static unsigned
 make_runs (const struct bcf_extent *ext, unsigned n, struct run *runs,
-           unsigned *used)
+           unsigned *used, uint64_t budget)
 {
   unsigned nr = 0, i = 0;
   uint64_t bytes = 0;
 
-  while (i < n && nr < BATCH_RUNS && bytes + ext[i].len <= BATCH_MAX_BYTES) {
+  /* One extent at least, however small the budget. */
+  while (i < n && nr < BATCH_RUNS &&
+         (bytes == 0 || bytes + ext[i].len <= budget)) {
     struct run *r = &runs[nr++];
 
     *r = (struct run) { .first = i, .n = 1, .offset = ext[i].offset,
@@ -154,7 +257,7 @@ make_runs (const struct bcf_extent *ext, unsigned n, struct run *runs,
     bytes += ext[i].len;
     for (i++; i < n && ext[i].offset == r->offset + r->len &&
          r->len + ext[i].len <= RUN_MAX_BYTES &&
-         bytes + ext[i].len <= BATCH_MAX_BYTES; i++) {
+         bytes + ext[i].len <= budget; i++) {
       r->n++;
       r->len += ext[i].len;
       bytes += ext[i].len;
@@ -172,6 +275,7 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
 {
   uint8_t *buf = bcf_buf_alloc (RUN_MAX_BYTES);
   unsigned written = 0;
+  bool journalled = false;
   int rc = 0;
 
   if (!buf)
@@ -189,6 +293,10 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
       bcf_bypass_done (wb->tracker, &r->tok);
       continue;
     }
+    /* B2b: the keys on the journal before the backing store sees their
+     * data (once per batch; free when they already are). */
+    if (rc == 0 && !journalled && (rc = bcf_flush (wb->c)) == 0)
+      journalled = true;
     if (rc == 0 && (rc = write_run (wb, ext, r, buf)) == 0) {     /* B3 */
       r->written = true;
       written++;
@@ -223,44 +331,65 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
   return rc;
 }
 
-int
-bcf_writeback_pass (struct bcf_writeback *wb)
+/* One batch from *pos on, at most budget bytes: written back, flushed
+ * and marked clean.  *pos moves past it; *done gets its bytes; returns 1
+ * if nothing dirty is left from *pos on (a full pass ended), 0, or
+ * -errno if the backing store or the cache failed. */
+static int
+writeback_step (struct bcf_writeback *wb, uint64_t *pos, uint64_t budget,
+                uint64_t *done)
 {
   struct bcf_extent ext[SCAN_EXTENTS];
   struct run runs[BATCH_RUNS];
-  uint64_t pos = 0;
+  unsigned n, used, nr;
+  int rc;
+
+  *done = 0;
+  if ((rc = bcf_dirty_scan (wb->c, *pos, ext, SCAN_EXTENTS, &n)) < 0)
+    return rc;
+  if (n == 0)
+    return 1;
+  nr = make_runs (ext, n, runs, &used, budget);
+  if ((rc = write_batch (wb, ext, runs, nr)) < 0)
+    return rc;
+  for (unsigned k = 0; k < nr; k++)
+    *done += runs[k].len;
+  *pos = ext[used - 1].offset + ext[used - 1].len;
+  return 0;
+}
+
+static bool
+stopping (struct bcf_writeback *wb)
+{
+  bool stop;
+
+  pthread_mutex_lock (&wb->lock);
+  stop = wb->stop;
+  pthread_mutex_unlock (&wb->lock);
+  return stop;
+}
+
+int
+bcf_writeback_pass (struct bcf_writeback *wb)
+{
+  uint64_t pos = 0, done;
   int rc = 0;
 
   count (wb, &wb->passes, 1);
-  for (;;) {
-    unsigned n, used, nr;
-
-    pthread_mutex_lock (&wb->lock);
-    if (wb->stop) {
-      pthread_mutex_unlock (&wb->lock);
-      break;
-    }
-    pthread_mutex_unlock (&wb->lock);
-    if ((rc = bcf_dirty_scan (wb->c, pos, ext, SCAN_EXTENTS, &n)) < 0 ||
-        n == 0)
-      break;
-    nr = make_runs (ext, n, runs, &used);
-    if ((rc = write_batch (wb, ext, runs, nr)) < 0)
-      break;
-    pos = ext[used - 1].offset + ext[used - 1].len;
-  }
-  return rc;
+  while (!stopping (wb) &&
+         (rc = writeback_step (wb, &pos, BATCH_MAX_BYTES, &done)) == 0)
+    ;
+  return rc < 0 ? rc : 0;
 }
 
 /* ---- the thread --------------------------------------------------------------------- */
 
-/* Sleep up to ms unless stopped or kicked.  Under lock; false if
+/* Sleep up to ns unless stopped or kicked.  Under lock; false if
  * stopping. */
 static bool
-sleep_locked (struct bcf_writeback *wb, unsigned ms)
+sleep_locked (struct bcf_writeback *wb, uint64_t ns)
 {
-  struct timespec until = bcf_ns_to_timespec (bcf_now_ns () +
-                                              (uint64_t) ms * 1000000);
+  struct timespec until = bcf_ns_to_timespec (bcf_now_ns () + ns);
 
   while (!wb->stop && !wb->kicked)
     if (pthread_cond_timedwait (&wb->wake, &wb->lock, &until) != 0)
@@ -269,33 +398,108 @@ sleep_locked (struct bcf_writeback *wb, unsigned ms)
   return !wb->stop;
 }
 
+/* Measure and update the controller (every update_seconds).  Under lock
+ * (bcf_cache_stats takes only the engine's own locks). */
+static void
+update_rate_locked (struct bcf_writeback *wb, uint64_t now)
+{
+  struct bcf_cache_stats cs;
+  uint64_t front = wb->front_ios ? atomic_load (wb->front_ios) : 0;
+  struct bcf_wb_pi_input in;
+
+  bcf_cache_stats (wb->c, &cs);
+  in = (struct bcf_wb_pi_input) {
+    .dirty = (int64_t) (bcf_cache_dirty_bytes (wb->c) >> 9),
+    .target = (int64_t) (wb->capacity_sectors * wb->t.percent / 100),
+    .in_use = cs.nbuckets ? (unsigned) ((cs.buckets_dirty + cs.buckets_meta)
+                                        * 100 / cs.nbuckets) : 0,
+    .dirty_buckets = (int64_t) cs.buckets_dirty,
+    .bucket_sectors = (int64_t) (cs.bucket_bytes >> 9),
+    .update_seconds = wb->t.update_seconds,
+    .idle = wb->front_ios && front == wb->front_seen,
+    .now_ns = now,
+  };
+  wb->front_seen = front;
+  atomic_store (&wb->in_use, in.in_use);
+  wb->st.in_use = in.in_use;
+  bcf_wb_pi_update (&wb->pi, &in);
+}
+
+/* A pass ended (rc: 0 clean, else the error): wake the flushers. */
+static void
+pass_ended_locked (struct bcf_writeback *wb, int rc)
+{
+  wb->flush_rc = rc;
+  wb->flush_gen++;
+  pthread_cond_broadcast (&wb->flushed);
+}
+
 static void *
 writeback_thread (void *arg)
 {
   struct bcf_writeback *wb = arg;
-  unsigned backoff = 0;
+  const uint64_t ms = 1000000;
+  uint64_t pos = 0, backoff = 0, next_update = bcf_now_ns ();
 
-  for (;;) {
-    unsigned ms;
-    int rc = 0;
+  pthread_mutex_lock (&wb->lock);
+  while (!wb->stop) {
+    uint64_t now = bcf_now_ns (), done = 0, sleep_ns;
+    uint64_t round = (uint64_t) wb->t.update_seconds * 1000 * ms;
+    bool fast = wb->flushers > 0 || wb->hurry || !wb->t.writeback;
+    uint64_t budget;
+    int rc;
 
-    if (bcf_cache_dirty_bytes (wb->c) > 0)
-      rc = bcf_writeback_pass (wb);
-    if (rc < 0)
+    if (next_update > now + round)
+      next_update = now + round;        /* the period was shortened */
+    if (now >= next_update) {
+      update_rate_locked (wb, now);
+      next_update = now + round;
+    }
+    if ((!wb->t.running && !fast) || bcf_cache_dirty_bytes (wb->c) == 0) {
+      if (bcf_cache_dirty_bytes (wb->c) == 0) {
+        pos = 0;
+        wb->hurry = false;
+        pass_ended_locked (wb, 0);
+      }
+      sleep_locked (wb, wb->t.writeback ? next_update - now
+                    : (uint64_t) DRAIN_RECHECK_MS * ms);
+      continue;
+    }
+    fast = fast || wb->pi.at_max;
+    budget = fast ? BATCH_MAX_BYTES
+             : (uint64_t) wb->pi.rate << 9 < BATCH_MAX_BYTES
+             ? (uint64_t) wb->pi.rate << 9 : BATCH_MAX_BYTES;
+    wb->st.flushing = wb->flushers > 0 || wb->hurry;
+    pthread_mutex_unlock (&wb->lock);
+    rc = writeback_step (wb, &pos, budget, &done);
+    pthread_mutex_lock (&wb->lock);
+    now = bcf_now_ns ();
+    if (rc < 0) {
+      /* Nothing is lost: the data stays dirty.  Back off, doubling. */
       backoff = backoff ? (backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS
                            : backoff * 2) : BACKOFF_MIN_MS;
-    else
-      backoff = 0;
-    ms = backoff ? backoff : DRAIN_RECHECK_MS;
-    pthread_mutex_lock (&wb->lock);
-    if (rc < 0)
       wb->st.retries++;
-    if (!sleep_locked (wb, ms)) {
-      pthread_mutex_unlock (&wb->lock);
-      break;
+      pass_ended_locked (wb, rc);
+      sleep_locked (wb, backoff * ms);
+      continue;
     }
-    pthread_mutex_unlock (&wb->lock);
+    backoff = 0;
+    if (rc == 1) {
+      /* A full pass: bcache sleeps writeback_delay before the next. */
+      pos = 0;
+      wb->passes++;
+      if (bcf_cache_dirty_bytes (wb->c) == 0)
+        pass_ended_locked (wb, 0);
+      if (wb->flushers == 0 && !wb->hurry)
+        sleep_locked (wb, wb->t.writeback ? (uint64_t) wb->t.delay_s * 1000 * ms
+                      : (uint64_t) DRAIN_RECHECK_MS * ms);
+      continue;
+    }
+    sleep_ns = bcf_wb_pi_next_delay (&wb->pi, done >> 9, now);
+    if (!fast && sleep_ns)
+      sleep_locked (wb, sleep_ns);
   }
+  pthread_mutex_unlock (&wb->lock);
   bcf_io_thread_cleanup ();
   return NULL;
 }
@@ -307,16 +511,61 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
                    const struct bcf_backing *b, bool drain)
 {
   struct bcf_writeback *wb = calloc (1, sizeof *wb);
+  struct bcf_cache_stats cs;
 
   if (!wb)
     return NULL;
   wb->c = c;
   wb->tracker = tracker;
   wb->b = *b;
-  wb->drain = drain;
+  wb->t = (struct bcf_writeback_tunables) {
+    .writeback = !drain, .running = true, .percent = 10, .delay_s = 30,
+    .update_seconds = BCF_WB_UPDATE_SECONDS,
+  };
+  bcf_cache_stats (c, &cs);
+  wb->capacity_sectors = cs.nbuckets * (cs.bucket_bytes >> 9);
+  bcf_wb_pi_init (&wb->pi, bcf_now_ns ());
   pthread_mutex_init (&wb->lock, NULL);
   bcf_cond_init_monotonic (&wb->wake);
+  bcf_cond_init_monotonic (&wb->flushed);
   return wb;
+}
+
+void
+bcf_writeback_set_front (struct bcf_writeback *wb, _Atomic uint64_t *front_ios)
+{
+  pthread_mutex_lock (&wb->lock);
+  wb->front_ios = front_ios;
+  pthread_mutex_unlock (&wb->lock);
+}
+
+void
+bcf_writeback_get_tunables (struct bcf_writeback *wb,
+                            struct bcf_writeback_tunables *t)
+{
+  pthread_mutex_lock (&wb->lock);
+  *t = wb->t;
+  pthread_mutex_unlock (&wb->lock);
+}
+
+int
+bcf_writeback_set_tunables (struct bcf_writeback *wb,
+                            const struct bcf_writeback_tunables *t)
+{
+  if (t->percent > 100 || t->update_seconds < 1 || t->update_seconds > 60)
+    return -EINVAL;
+  pthread_mutex_lock (&wb->lock);
+  wb->t = *t;
+  wb->kicked = true;
+  pthread_cond_broadcast (&wb->wake);
+  pthread_mutex_unlock (&wb->lock);
+  return 0;
+}
+
+unsigned
+bcf_writeback_in_use (struct bcf_writeback *wb)
+{
+  return atomic_load (&wb->in_use);
 }
 
 int
@@ -331,12 +580,68 @@ bcf_writeback_start (struct bcf_writeback *wb)
 }
 
 void
+bcf_writeback_hurry (struct bcf_writeback *wb)
+{
+  pthread_mutex_lock (&wb->lock);
+  wb->hurry = true;
+  wb->st.flushing = true;
+  wb->kicked = true;
+  pthread_cond_broadcast (&wb->wake);
+  pthread_mutex_unlock (&wb->lock);
+}
+
+void
 bcf_writeback_kick (struct bcf_writeback *wb)
 {
   pthread_mutex_lock (&wb->lock);
   wb->kicked = true;
   pthread_cond_broadcast (&wb->wake);
   pthread_mutex_unlock (&wb->lock);
+}
+
+int
+bcf_writeback_flush (struct bcf_writeback *wb, unsigned timeout_ms,
+                     void (*progress) (void *opaque, uint64_t dirty),
+                     void *opaque)
+{
+  uint64_t start = bcf_now_ns ();
+  int rc = 0;
+
+  if (!wb->thread_started)
+    return bcf_writeback_pass (wb);
+  pthread_mutex_lock (&wb->lock);
+  wb->flushers++;
+  for (;;) {
+    uint64_t gen = wb->flush_gen, now;
+    struct timespec until;
+
+    if (bcf_cache_dirty_bytes (wb->c) == 0 || wb->stop)
+      break;
+    wb->kicked = true;
+    pthread_cond_broadcast (&wb->wake);
+    now = bcf_now_ns ();
+    if (timeout_ms && now - start >= (uint64_t) timeout_ms * 1000000) {
+      rc = -ETIMEDOUT;
+      break;
+    }
+    until = bcf_ns_to_timespec (now + 1000000000ull);
+    while (wb->flush_gen == gen && !wb->stop &&
+           pthread_cond_timedwait (&wb->flushed, &wb->lock, &until) == 0)
+      ;
+    if (wb->flush_gen != gen && wb->flush_rc < 0) {
+      rc = wb->flush_rc;
+      break;
+    }
+    if (progress) {
+      pthread_mutex_unlock (&wb->lock);
+      progress (opaque, bcf_cache_dirty_bytes (wb->c));
+      pthread_mutex_lock (&wb->lock);
+    }
+  }
+  if (--wb->flushers == 0 && !wb->hurry)
+    wb->st.flushing = false;
+  pthread_mutex_unlock (&wb->lock);
+  return rc;
 }
 
 void
@@ -347,11 +652,13 @@ bcf_writeback_free (struct bcf_writeback *wb)
   pthread_mutex_lock (&wb->lock);
   wb->stop = true;
   pthread_cond_broadcast (&wb->wake);
+  pthread_cond_broadcast (&wb->flushed);
   pthread_mutex_unlock (&wb->lock);
   if (wb->thread_started)
     pthread_join (wb->thread, NULL);
   pthread_mutex_destroy (&wb->lock);
   pthread_cond_destroy (&wb->wake);
+  pthread_cond_destroy (&wb->flushed);
   free (wb);
 }
 
@@ -361,5 +668,10 @@ bcf_writeback_get_stats (struct bcf_writeback *wb,
 {
   pthread_mutex_lock (&wb->lock);
   *st = wb->st;
+  st->rate = wb->pi;
+  if (st->rate.next_ns) {
+    uint64_t now = bcf_now_ns ();
+    st->rate.next_ns = st->rate.next_ns > now ? st->rate.next_ns - now : 0;
+  }
   pthread_mutex_unlock (&wb->lock);
 }

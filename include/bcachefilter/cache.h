@@ -149,6 +149,12 @@ int bcf_cache_close (struct bcf_cache *c);
  * say so. */
 int bcf_cache_abandon (struct bcf_cache *c);
 
+/* A message through the cache's log function (opts.log), for the layers
+ * above the engine (the request path). */
+void bcf_cache_log (struct bcf_cache *c, enum bcf_log_level level,
+                    const char *fmt, ...)
+  __attribute__ ((format (printf, 3, 4)));
+
 /* Background threads: journal timer, allocator, GC.  Tests may instead
  * drive the work by hand (bcf_cache_journal_write, bcf_gc_run). */
 int bcf_cache_start_threads (struct bcf_cache *c);

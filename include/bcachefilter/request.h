@@ -31,6 +31,7 @@ enum bcf_cache_mode {
   BCF_MODE_WRITETHROUGH = 0,
   BCF_MODE_WRITEAROUND,
   BCF_MODE_NONE,
+  BCF_MODE_WRITEBACK,
 };
 
 /* "writethrough", ... ; -1 for an unknown name. */
@@ -67,7 +68,15 @@ struct bcf_req_opts {
    * A multiple of 512, below the backing store's size; clients may
    * address size - offset bytes. */
   uint64_t offset;
+  /* Writeback mode (bcache's sysfs knobs): the share of the cache dirty
+   * data is written back down to (0 = 10; BCF_WRITEBACK_PERCENT_ZERO for
+   * 0 %), and the pause after a full pass, seconds (0 = 30;
+   * BCF_WRITEBACK_DELAY_ZERO for none). */
+  unsigned writeback_percent;
+  unsigned writeback_delay;
 };
+#define BCF_WRITEBACK_PERCENT_ZERO 1000
+#define BCF_WRITEBACK_DELAY_ZERO   UINT32_MAX
 
 /* c must stay open for the lifetime of the request layer. */
 struct bcf_req *bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o);
@@ -79,6 +88,28 @@ int bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m);
 enum bcf_cache_mode bcf_req_mode (struct bcf_req *r);
 void bcf_req_set_sequential_cutoff (struct bcf_req *r, uint64_t bytes);
 uint64_t bcf_req_sequential_cutoff (struct bcf_req *r);
+/* Writeback knobs (bcache's names): writeback_percent 0..100,
+ * writeback_delay seconds, writeback_running, writeback_rate_update_seconds
+ * 1..60.  Return 0 or -EINVAL (a value out of range), -ENOTSUP (no
+ * writeback thread: no background backing store was given). */
+int bcf_req_set_writeback_percent (struct bcf_req *r, unsigned percent);
+int bcf_req_set_writeback_delay (struct bcf_req *r, unsigned seconds);
+int bcf_req_set_writeback_running (struct bcf_req *r, bool running);
+int bcf_req_set_writeback_update_seconds (struct bcf_req *r, unsigned s);
+/* Write every dirty extent back at full speed through the writeback
+ * thread and return once none is left (bcachefilter-ctl flush): 0, the
+ * backing store's -errno (the data stays dirty), or -ETIMEDOUT after
+ * timeout_ms (0: none).  progress (may be NULL) is called about once a
+ * second with the dirty bytes left.  Without a thread, one pass in the
+ * calling thread through b. */
+int bcf_req_flush_dirty (struct bcf_req *r, const struct bcf_backing *b,
+                         unsigned timeout_ms,
+                         void (*progress) (void *opaque, uint64_t dirty),
+                         void *opaque);
+/* Start writing everything back at full speed and return at once; the
+ * thread goes on until nothing is dirty (dirty_bytes in the stats shows
+ * the progress).  -ENOTSUP without a thread. */
+int bcf_req_writeback_hurry (struct bcf_req *r);
 /* True once too many cache-device errors switched the cache off. */
 bool bcf_req_passthrough (struct bcf_req *r);
 
@@ -125,6 +156,19 @@ struct bcf_req_stats {
            writeback_backing_errors, writeback_read_errors,
            writeback_retries;
   uint64_t fill_queue_bytes;    /* data waiting to be written to the cache */
+  /* Writeback mode. */
+  uint64_t writeback_writes;    /* writes acknowledged from the cache */
+  uint64_t writeback_cutoff_writes;     /* ... written through instead:
+                                           the cache was too full */
+  unsigned writeback_percent, writeback_delay, writeback_update_seconds;
+  bool writeback_running, writeback_flushing;
+  unsigned cache_in_use;        /* % of buckets dirty or metadata */
+  /* bcache's writeback_rate_debug: sectors/s and sectors; next_io_ns:
+   * how long until the rate limiter lets the next write-back go. */
+  int64_t wb_rate, wb_dirty, wb_target, wb_proportional, wb_integral,
+          wb_change;
+  uint64_t wb_next_io_ns;
+  bool wb_at_max;               /* idle boost */
 };
 void bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st);
 /* The counters with bcache's decayed views. */
