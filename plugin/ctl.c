@@ -141,8 +141,8 @@
 #define SUN_PATH_MAX (sizeof ((struct sockaddr_un *) NULL)->sun_path)
 
 #define VALID_COMMANDS \
-  "stats [--json], set cache_mode MODE, set sequential_cutoff SIZE, " \
-  "trigger_gc, show super [--json], help"
+  "stats [--json], set NAME VALUE, trigger_gc, writeback_flush, " \
+  "show super [--json], help"
 
 static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
@@ -466,6 +466,19 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
    * place that knows the modes (and why writeback is refused). */
   if (strcmp (name, "cache_mode") == 0)
     ;
+  else if (strcmp (name, "writeback_percent") == 0 ||
+           strcmp (name, "writeback_delay") == 0 ||
+           strcmp (name, "writeback_running") == 0 ||
+           strcmp (name, "writeback_rate_update_seconds") == 0) {
+    uint64_t n;
+
+    if (!parse_size (value, &n) || n > UINT32_MAX ||
+        strspn (value, "0123456789") != strlen (value)) {
+      reply_error (r, "invalid %s '%s': give a whole number", name,
+                   quote (value, q, sizeof q));
+      return;
+    }
+  }
   else if (strcmp (name, "sequential_cutoff") == 0) {
     uint64_t bytes;
 
@@ -479,8 +492,10 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
     value = num;
   }
   else {
-    reply_error (r, "unknown setting '%s': valid settings are cache_mode "
-                 "and sequential_cutoff", quote (name, q, sizeof q));
+    reply_error (r, "unknown setting '%s': valid settings are cache_mode, "
+                 "sequential_cutoff, writeback_percent, writeback_delay, "
+                 "writeback_running and writeback_rate_update_seconds",
+                 quote (name, q, sizeof q));
     return;
   }
 
@@ -496,9 +511,14 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
 
 static const char help_text[] =
   "stats [--json]              hit/miss/bypass counters (total, five_minute, hour, day)\n"
-  "set cache_mode MODE         MODE: writethrough, writearound or none\n"
+  "set cache_mode MODE         MODE: writethrough, writeback, writearound or none\n"
   "set sequential_cutoff SIZE  bytes, or with a k, M or G suffix; 0 disables\n"
+  "set writeback_percent N     writeback: dirty share to keep, 0-100\n"
+  "set writeback_delay S       writeback: pause after a full pass\n"
+  "set writeback_running 0|1   writeback: pause or resume the writeback\n"
+  "set writeback_rate_update_seconds S  the rate controller's period, 1-60\n"
   "trigger_gc                  start a garbage collection\n"
+  "writeback_flush             write back everything now, at full speed\n"
   "show super [--json]         the cache superblock\n"
   "help                        this list\n";
 
@@ -566,6 +586,18 @@ handle_line (const struct bcf_ctl_ops *ops, char *line, size_t len,
     else if (ops->trigger_gc == NULL)
       reply_error (r, "trigger_gc is not supported by this filter");
     else if (ops->trigger_gc (err, sizeof err) != 0)
+      reply_error (r, "%s", err);
+    else
+      reply_ok (r, "");
+  }
+  else if (strcmp (word[0], "writeback_flush") == 0) {
+    char err[CTL_ERR_MAX] = "";
+
+    if (nw != 1)
+      reply_error (r, "usage: writeback_flush (no arguments)");
+    else if (ops->writeback_flush == NULL)
+      reply_error (r, "writeback_flush is not supported by this filter");
+    else if (ops->writeback_flush (err, sizeof err) != 0)
       reply_error (r, "%s", err);
     else
       reply_ok (r, "");

@@ -12,7 +12,10 @@
  *   stats [--json]
  *   set cache_mode writethrough|writearound|none|writeback
  *   set sequential_cutoff SIZE          (bytes, or with k/M/G suffix; 0 off)
+ *   set writeback_percent|writeback_delay|writeback_running|
+ *       writeback_rate_update_seconds N
  *   trigger_gc
+ *   writeback_flush
  *   show super [--json]
  */
 #ifndef BCACHEFILTER_PLUGIN_CTL_H
@@ -35,6 +38,8 @@ struct bcf_ctl_ops {
   int (*stats) (FILE *fp, bool json, char *err, size_t errlen);
   int (*set) (const char *name, const char *value, char *err, size_t errlen);
   int (*trigger_gc) (char *err, size_t errlen);
+  /* Start a full-speed writeback of everything dirty; returns at once. */
+  int (*writeback_flush) (char *err, size_t errlen);
   int (*show_super) (FILE *fp, bool json, char *err, size_t errlen);
 };
 

@@ -108,8 +108,43 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
     nbdkit_debug ("bcachefilter: sequential_cutoff set to %llu", v);
     return 0;
   }
+  if (strncmp (name, "writeback_", 10) == 0) {
+    char *end;
+    unsigned long v;
+    int r = -EINVAL;
+
+    errno = 0;
+    v = strtoul (value, &end, 10);
+    if (errno || end == value || *end || v > UINT32_MAX) {
+      snprintf (err, errlen, "%s '%s': give a number", name, value);
+      return -1;
+    }
+    if (strcmp (name, "writeback_percent") == 0)
+      r = bcf_req_set_writeback_percent (req, (unsigned) v);
+    else if (strcmp (name, "writeback_delay") == 0)
+      r = bcf_req_set_writeback_delay (req, (unsigned) v);
+    else if (strcmp (name, "writeback_running") == 0 && v <= 1)
+      r = bcf_req_set_writeback_running (req, v == 1);
+    else if (strcmp (name, "writeback_rate_update_seconds") == 0)
+      r = bcf_req_set_writeback_update_seconds (req, (unsigned) v);
+    else {
+      snprintf (err, errlen, "unknown setting '%s'", name);
+      return -1;
+    }
+    if (r == -ENOTSUP)
+      snprintf (err, errlen, "%s: this filter runs no writeback thread",
+                name);
+    else if (r < 0)
+      snprintf (err, errlen, "%s %s: out of range (writeback_percent 0-100, "
+                "writeback_running 0 or 1, writeback_rate_update_seconds "
+                "1-60)", name, value);
+    else
+      nbdkit_debug ("bcachefilter: %s set to %lu", name, v);
+    return r < 0 ? -1 : 0;
+  }
   snprintf (err, errlen, "unknown setting '%s'; settable: cache_mode, "
-            "sequential_cutoff", name);
+            "sequential_cutoff, writeback_percent, writeback_delay, "
+            "writeback_running, writeback_rate_update_seconds", name);
   return -1;
 }
 
@@ -135,6 +170,25 @@ ctl_trigger_gc (char *err, size_t errlen)
   return 0;
 }
 
+/* Start writing back everything at full speed (bcachefilter-ctl flush
+ * waits for dirty_data to reach 0 through the stats: the serving thread
+ * never waits for the export). */
+static int
+ctl_writeback_flush (char *err, size_t errlen)
+{
+  int r;
+
+  if (!ctl_begin (err, errlen))
+    return -1;
+  r = bcf_req_writeback_hurry (req);
+  ctl_end ();
+  if (r < 0) {
+    snprintf (err, errlen, "this filter runs no writeback thread");
+    return -1;
+  }
+  return 0;
+}
+
 static int
 ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
 {
@@ -147,6 +201,7 @@ ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
 
 static const struct bcf_ctl_ops ctl_ops = {
   .stats = ctl_stats, .set = ctl_set, .trigger_gc = ctl_trigger_gc,
+  .writeback_flush = ctl_writeback_flush,
   .show_super = ctl_show_super,
 };
 
@@ -227,6 +282,8 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   ro.sequential_cutoff = s->cutoff;
   ro.error_limit = cfg.error_limit;
   ro.error_halflife = cfg.error_halflife;
+  ro.writeback_percent = cfg.writeback_percent;
+  ro.writeback_delay = cfg.writeback_delay;
   ro.background = bk_background ();
   req = bcf_req_new (cache, &ro);
   if (!req) {

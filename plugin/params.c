@@ -98,20 +98,17 @@ parse_pow2_param (const char *key, const char *value, int64_t min, int64_t max,
   return 0;
 }
 
-/* bcache's writeback mode gets a refusal of its own: the engine has no
- * writeback (no dirty data is ever written). */
 int
 parse_mode (const char *value, char *err, size_t errlen)
 {
   int m = bcf_cache_mode_parse (value);
 
-  if (m < 0 && strcmp (value, "writeback") == 0)
-    snprintf (err, errlen, "writeback mode is not supported: use "
-              "writethrough (the default), writearound or none");
-  else if (m < 0)
+  if (m < 0)
     snprintf (err, errlen, "unknown mode '%s': use writethrough (cache "
-              "reads and writes), writearound (cache reads only) or none",
-              value);
+              "reads and writes, writes reach the export before they "
+              "complete), writeback (writes complete in the cache and "
+              "reach the export later), writearound (cache reads only) "
+              "or none", value);
   return m;
 }
 
@@ -257,6 +254,23 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       nbdkit_error ("bcache-error-limit=0: must be at least 1");
       return -1;
     }
+  }
+  else if (strcmp (key, "bcache-writeback-percent") == 0) {
+    unsigned v;
+    if (nbdkit_parse_unsigned (key, value, &v) == -1)
+      return -1;
+    if (v > 100) {
+      nbdkit_error ("bcache-writeback-percent=%s: a percentage of the "
+                    "cache, 0 to 100", value);
+      return -1;
+    }
+    cfg.writeback_percent = v ? v : BCF_WRITEBACK_PERCENT_ZERO;
+  }
+  else if (strcmp (key, "bcache-writeback-delay") == 0) {
+    unsigned v;
+    if (nbdkit_parse_unsigned (key, value, &v) == -1)
+      return -1;
+    cfg.writeback_delay = v ? v : BCF_WRITEBACK_DELAY_ZERO;
   }
   else if (strcmp (key, "bcache-error-halflife") == 0) {
     if (nbdkit_parse_uint64_t (key, value, &cfg.error_halflife) == -1)

@@ -40,6 +40,9 @@ struct filter_config {
   bool write_intent;                    /* bcache-write-intent= */
   unsigned error_limit;                 /* bcache-error-limit= */
   uint64_t error_halflife;              /* bcache-error-halflife= */
+  unsigned writeback_percent;           /* bcache-writeback-percent=, as
+                                           bcf_req_opts takes it */
+  unsigned writeback_delay;             /* bcache-writeback-delay=, ditto */
   bool test_no_tracker;                 /* bcache-test-disable-tracker= */
   /* The first identifying parameter, for messages ("socket=/x"). */
   bool id_any;
@@ -57,7 +60,9 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "bcache=PATH                 (required) cache device or file\n" \
   "bcache-size=SIZE            create the cache file with this size\n" \
   "bcache-format=auto|never|force  what to do with a non-cache device\n" \
-  "bcache-mode=writethrough|writearound|none  cache mode\n" \
+  "bcache-mode=writethrough|writeback|writearound|none  cache mode\n" \
+  "bcache-writeback-percent=N  writeback: dirty share to keep (10)\n" \
+  "bcache-writeback-delay=S    writeback: pause after a full pass (30)\n" \
   "bcache-bucket-size=SIZE     bucket size when formatting (512K)\n" \
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \

@@ -37,6 +37,16 @@ print_u64 (FILE *fp, bool json, const char *name, uint64_t v, bool *first)
 }
 
 static void
+print_i64 (FILE *fp, bool json, const char *name, int64_t v, bool *first)
+{
+  if (json)
+    fprintf (fp, "%s\"%s\": %" PRIi64, *first ? "" : ", ", name, v);
+  else
+    fprintf (fp, "%-28s %" PRIi64 "\n", name, v);
+  *first = false;
+}
+
+static void
 print_views (FILE *fp, bool json, struct bcf_req *req)
 {
   struct bcf_stats *s = bcf_req_counters (req);
@@ -164,6 +174,29 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
              rs.writeback_backing_errors, &first);
   print_u64 (fp, json, "writeback_read_errors", rs.writeback_read_errors,
              &first);
+  print_u64 (fp, json, "writeback_writes", rs.writeback_writes, &first);
+  print_u64 (fp, json, "writeback_cutoff_writes",
+             rs.writeback_cutoff_writes, &first);
+  print_u64 (fp, json, "writeback_percent", rs.writeback_percent, &first);
+  print_u64 (fp, json, "writeback_delay", rs.writeback_delay, &first);
+  print_u64 (fp, json, "writeback_running", rs.writeback_running, &first);
+  print_u64 (fp, json, "writeback_flushing", rs.writeback_flushing, &first);
+  print_u64 (fp, json, "writeback_rate_update_seconds",
+             rs.writeback_update_seconds, &first);
+  print_u64 (fp, json, "cache_available_percent", 100 - rs.cache_in_use,
+             &first);
+  /* bcache's writeback_rate (bytes/s here) and writeback_rate_debug. */
+  print_u64 (fp, json, "writeback_rate", (uint64_t) rs.wb_rate << 9, &first);
+  print_i64 (fp, json, "writeback_rate_target", rs.wb_target << 9, &first);
+  print_i64 (fp, json, "writeback_rate_dirty", rs.wb_dirty << 9, &first);
+  print_i64 (fp, json, "writeback_rate_proportional",
+             rs.wb_proportional << 9, &first);
+  print_i64 (fp, json, "writeback_rate_integral", rs.wb_integral << 9,
+             &first);
+  print_i64 (fp, json, "writeback_rate_change", rs.wb_change << 9, &first);
+  print_u64 (fp, json, "writeback_rate_next_io_ns", rs.wb_next_io_ns,
+             &first);
+  print_u64 (fp, json, "writeback_rate_at_max", rs.wb_at_max, &first);
   if (json)
     fprintf (fp, "}, \"device_errors\": %" PRIu64 "}\n", rs.device_errors);
 }

@@ -85,7 +85,8 @@ check_bad ()
 # 1. Bad parameters.
 c="$d/never-created"
 refuse noparam 'bcache'
-refuse writeback 'writeback' bcache="$c" bcache-size=64M bcache-mode=writeback
+refuse wbpercent 'bcache-writeback-percent' bcache="$c" bcache-size=64M \
+       bcache-mode=writeback bcache-writeback-percent=101
 refuse badmode 'bcache-mode' bcache="$c" bcache-size=64M bcache-mode=bogus
 refuse badsize 'bcache-size' bcache="$c" bcache-size=12Q
 refuse negsize 'bcache-size' bcache="$c" bcache-size=-64M

@@ -98,12 +98,19 @@ test "$(s cache_mode)" = writearound || fail "cache_mode did not change"
 r="$(write_then_read 9M | tail -1)"
 test "$r" = miss || fail "in writearound, a write was cached"
 
+# Writeback, and its knobs; then back (a refused value changes nothing).
+C set cache_mode writeback
+test "$(s cache_mode)" = writeback || fail "cache_mode did not change to writeback"
+C set writeback_percent 25
+test "$(s writeback_percent)" = 25 || fail "writeback_percent did not change"
+st=0; C set writeback_percent 101 > "$d/wbp.out" 2>&1 || st=$?
+cat "$d/wbp.out"
+test "$st" -eq 1 || fail "set writeback_percent 101: exit status $st, not 1"
+grep -q "out of range" "$d/wbp.out" || fail "writeback_percent 101: no reason given"
+test "$(s writeback_percent)" = 25 || fail "a refused writeback_percent changed it"
+C writeback_flush
+C set cache_mode writearound
 # Refused modes, with a message, and nothing changes.
-st=0; C set cache_mode writeback > "$d/wb.out" 2>&1 || st=$?
-cat "$d/wb.out"
-test "$st" -eq 1 || fail "set cache_mode writeback: exit status $st, not 1"
-grep -q "writeback mode is not supported" "$d/wb.out" ||
-    fail "set cache_mode writeback: not the filter's refusal"
 st=0; C set cache_mode bogus > "$d/bogus.out" 2>&1 || st=$?
 cat "$d/bogus.out"
 test "$st" -eq 1 || fail "set cache_mode bogus: exit status $st, not 1"

@@ -42,8 +42,8 @@
 # something: the killed caches held cached extents, checkpoints and GC
 # passes ran beyond those at start, and the cache served hits.
 #
-# The modes are the list $modes.  For writeback (not supported yet) add
-# the word, and the checks are already those it needs: soak.py then
+# The modes are the list $modes.  For writeback the checks are those it
+# needs: soak.py then
 # models flush durability (a write acknowledged after the last completed
 # flush may be lost in a crash, and the export is not the truth until
 # writeback completed), so after a restart each byte must hold the value
@@ -65,7 +65,7 @@ requires timeout --version
 requires bcachefilter-show --version
 requires bcachefilter-ctl --version
 
-modes="writethrough writearound none"
+modes="${SOAK_MODES:-writethrough writeback writearound none}"
 # Modes a round may switch to at run time (bcachefilter-ctl set
 # cache_mode): those in which the export is the truth, so the checks of
 # the round's own mode still hold.

@@ -30,6 +30,7 @@
 
 #include <errno.h>
 #include <getopt.h>
+#include <inttypes.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -84,9 +85,16 @@ usage (FILE *fp)
            "\n"
            "Commands:\n"
            "  stats [--json]              hit, miss and bypass counters\n"
-           "  set cache_mode MODE         writethrough, writearound or none\n"
+           "  set cache_mode MODE         writethrough, writeback, writearound\n"
+           "                              or none\n"
            "  set sequential_cutoff SIZE  bytes, or with a k, M or G suffix;\n"
            "                              0 disables\n"
+           "  set writeback_percent N     writeback: dirty share to keep\n"
+           "  set writeback_delay S       writeback: pause after a full pass\n"
+           "  set writeback_running 0|1   writeback: pause or resume\n"
+           "  set writeback_rate_update_seconds S  the rate controller's period\n"
+           "  flush [--timeout S]         write back all dirty data, showing\n"
+           "                              progress; returns when none is left\n"
            "  trigger-gc                  start a garbage collection\n"
            "  show super [--json]         the cache superblock\n"
            "  help                        the commands the filter knows\n"
@@ -140,9 +148,20 @@ check_command (int nargs, char **args)
       return usage_error ("usage: set cache_mode MODE, or set "
                           "sequential_cutoff SIZE");
     if (strcmp (args[1], "cache_mode") != 0 &&
-        strcmp (args[1], "sequential_cutoff") != 0)
+        strcmp (args[1], "sequential_cutoff") != 0 &&
+        strcmp (args[1], "writeback_percent") != 0 &&
+        strcmp (args[1], "writeback_delay") != 0 &&
+        strcmp (args[1], "writeback_running") != 0 &&
+        strcmp (args[1], "writeback_rate_update_seconds") != 0)
       return usage_error ("set: unknown setting '%s': valid settings are "
-                          "cache_mode and sequential_cutoff", args[1]);
+                          "cache_mode, sequential_cutoff, writeback_percent, "
+                          "writeback_delay, writeback_running and "
+                          "writeback_rate_update_seconds", args[1]);
+    return -1;
+  }
+  if (strcmp (cmd, "writeback_flush") == 0) {
+    if (nargs != 1)
+      return usage_error ("usage: writeback_flush (no arguments)");
     return -1;
   }
   if (strcmp (cmd, "trigger-gc") == 0 || strcmp (cmd, "trigger_gc") == 0) {
@@ -163,7 +182,7 @@ check_command (int nargs, char **args)
     return -1;
   }
   return usage_error ("unknown command '%s': valid commands are stats, "
-                      "set, trigger-gc, show super and help", cmd);
+                      "set, flush, trigger-gc, show super and help", cmd);
 }
 
 /* Join the words into *linep = "w1 w2 ...\n".  Returns -1 to continue,
@@ -379,6 +398,99 @@ print_reply (const char *path, const char *reply, size_t len)
   return EXIT_ERROR;
 }
 
+/* One command, its answer in *reply (after "ok\n"); -1 after a
+ * message (the filter's error included). */
+static int
+command (const char *path, const char *line, char **reply)
+{
+  size_t len;
+  int fd = connect_socket (path), r;
+
+  if (fd == -1)
+    return -1;
+  r = exchange (fd, path, line, reply, &len);
+  close (fd);
+  if (r == -1)
+    return -1;
+  if (strncmp (*reply, "ok\n", 3) != 0) {
+    print_reply (path, *reply, len);
+    free (*reply);
+    return -1;
+  }
+  return 0;
+}
+
+/* A counter from the text stats ("name   value" lines). */
+static bool
+stat_value (const char *stats, const char *name, uint64_t *v)
+{
+  size_t n = strlen (name);
+
+  for (const char *p = stats; p && *p; p = strchr (p, '\n'), p = p ? p + 1 : p)
+    if (strncmp (p, name, n) == 0 && p[n] == ' ')
+      return sscanf (p + n, "%" SCNu64, v) == 1;
+  return false;
+}
+
+/* flush: start the full-speed writeback, then follow dirty_data in the
+ * stats once a second until it is 0 (the serving thread never waits
+ * for the export, so the waiting is done here).  Progress on stderr: a
+ * line rewritten in place on a terminal, a line every 10 s otherwise. */
+static int
+run_flush (const char *path, unsigned timeout_s)
+{
+  const bool tty = isatty (STDERR_FILENO);
+  const uint64_t start = now_ms ();
+  uint64_t first = 0, last_line = 0, errors0 = 0;
+  char *reply;
+
+  if (command (path, "writeback_flush\n", &reply) == -1)
+    return EXIT_ERROR;
+  free (reply);
+  for (unsigned i = 0;; i++) {
+    uint64_t dirty, errors = 0, now;
+
+    if (command (path, "stats\n", &reply) == -1)
+      return EXIT_ERROR;
+    if (!stat_value (reply, "dirty_data", &dirty)) {
+      free (reply);
+      error ("%s: the stats have no dirty_data", path);
+      return EXIT_ERROR;
+    }
+    stat_value (reply, "writeback_backing_errors", &errors);
+    free (reply);
+    if (i == 0) {
+      first = dirty;
+      errors0 = errors;
+    }
+    now = now_ms ();
+    if (dirty == 0) {
+      if (tty && i > 0)
+        fprintf (stderr, "\r\033[K");
+      printf ("flushed: no dirty data left (%.1f s)\n",
+              (double) (now - start) / 1000);
+      return EXIT_OK;
+    }
+    if (tty || now - last_line >= 10000) {
+      fprintf (stderr, "%s%" PRIu64 " MiB of dirty data left (%.0f%% "
+               "written back)%s%s", tty ? "\r\033[K" : "",
+               dirty >> 20, first > dirty ? 100.0 * (double) (first - dirty)
+               / (double) first : 0.0,
+               errors > errors0 ? ", the export is failing writes: "
+               "retrying" : "", tty ? "" : "\n");
+      last_line = now;
+    }
+    if (timeout_s && now - start >= (uint64_t) timeout_s * 1000) {
+      if (tty)
+        fputc ('\n', stderr);
+      error ("%s: %" PRIu64 " bytes still dirty after %u s (the data is "
+             "kept; run flush again)", path, dirty, timeout_s);
+      return EXIT_ERROR;
+    }
+    usleep (i < 10 ? 100000 : 1000000);
+  }
+}
+
 int
 main (int argc, char *argv[])
 {
@@ -411,6 +523,21 @@ main (int argc, char *argv[])
     return usage_error ("no control socket: give -s PATH or set $%s (the "
                         "filter's bcache-ctl=PATH)", SOCKET_ENV);
 
+  if (strcmp (argv[optind], "flush") == 0) {
+    unsigned timeout = 0;
+    int n = argc - optind;
+
+    if (n == 3 && strcmp (argv[optind + 1], "--timeout") == 0) {
+      char *end;
+      unsigned long v = strtoul (argv[optind + 2], &end, 10);
+      if (*end || end == argv[optind + 2] || v == 0 || v > 86400 * 365)
+        return usage_error ("flush --timeout S: give a number of seconds");
+      timeout = (unsigned) v;
+    }
+    else if (n != 1)
+      return usage_error ("usage: flush [--timeout SECONDS]");
+    return run_flush (path, timeout);
+  }
   r = check_command (argc - optind, &argv[optind]);
   if (r >= 0)
     return r;

@@ -589,7 +589,7 @@ START_TEST (test_bad_commands)
   expect_prefix ("\n", "error: empty command; valid commands: stats");
   expect_prefix ("   \t \n", "error: empty command");
   expect_prefix ("frobnicate\n", "error: unknown command 'frobnicate'; "
-                 "valid commands: stats [--json], set cache_mode MODE");
+                 "valid commands: stats [--json], set NAME VALUE");
   expect_prefix ("STATS\n", "error: unknown command 'STATS'");
   expect_prefix ("stats --xml\n", "error: usage: stats [--json]");
   expect_prefix ("stats --json extra\n", "error: usage: stats [--json]");
@@ -602,7 +602,8 @@ START_TEST (test_bad_commands)
   expect_prefix ("set cache_mode\n", "error: usage: set cache_mode MODE");
   expect_prefix ("set cache_mode a b\n", "error: usage: set");
   expect_prefix ("set readahead 1\n", "error: unknown setting 'readahead': "
-                 "valid settings are cache_mode and sequential_cutoff");
+                 "valid settings are cache_mode, sequential_cutoff, "
+                 "writeback_percent");
   static const char *const bad_sizes[] = {
     "", "-1", "+1", "1.5M", "1T", "1KB", "1Ki", "M", "0x10", "1 k",
     "18446744073709551616", "17179869184G", "99999999999999999999999",
