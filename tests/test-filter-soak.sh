@@ -42,8 +42,9 @@
 # something: the killed caches held cached extents, checkpoints and GC
 # passes ran beyond those at start, and the cache served hits.
 #
-# The modes are the list $modes.  For writeback the checks are those it
-# needs: soak.py then
+# The modes are the list $modes (SOAK_MODES overrides it: a longer
+# writeback-only soak is SOAK_MODES=writeback BCACHEFILTER_SOAK_SECONDS=600).
+# For writeback the checks are those it needs: soak.py then
 # models flush durability (a write acknowledged after the last completed
 # flush may be lost in a crash, and the export is not the truth until
 # writeback completed), so after a restart each byte must hold the value

@@ -508,6 +508,53 @@ START_TEST (cutoff_writes_through)
 }
 END_TEST
 
+/* A cache device that fails while it holds dirty data is not given up
+ * (that would lose the data): a read of the dirty range fails with EIO
+ * rather than return the export's older data, clean data is served from
+ * the export, writes elsewhere pass through, and once the device works
+ * again the dirty data is written back. */
+START_TEST (failing_device_keeps_dirty_data)
+{
+  struct fx f;
+  static uint8_t old[65536], a[65536], got[65536];
+  struct bcf_io_faults faults = { .fail_every = 1 };
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "faults.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  bcf_req_free (f.r);
+  f.ro.error_limit = 4;
+  f.r = bcf_req_new (f.c, &f.ro);
+  ck_assert_ptr_nonnull (f.r);
+  memset (old, 0x12, sizeof old);
+  memset (a, 0x34, sizeof a);
+  mem_backing_poke (f.mb, old, sizeof old, MiB);
+  mem_backing_poke (f.mb, old, sizeof old, 8 * MiB);
+  check_read (&f, 8 * MiB, old, sizeof old, "clean data");
+  bcf_req_drain (f.r);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, MiB, false), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  for (int i = 0; i < 8; i++) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, MiB), -EIO);
+    check_read (&f, 8 * MiB, old, sizeof old, "clean data, device failing");
+  }
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_ge (rs.device_errors, 4);
+  ck_assert (!rs.passthrough);
+  ck_assert_uint_eq (rs.dirty_bytes, sizeof a);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 20 * MiB, false),
+                    0);
+  check_backing (&f, 20 * MiB, a, sizeof a, "a write next to the dirty data");
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  check_read (&f, MiB, a, sizeof a, "dirty data, device back");
+  ck_assert_int_eq (bcf_req_writeback (f.r, &f.b), 0);
+  check_backing (&f, MiB, a, sizeof a, "written back after the errors");
+  fx_free (&f);
+}
+END_TEST
+
 static Suite *
 writeback_suite (void)
 {
@@ -527,6 +574,7 @@ writeback_suite (void)
   ADD (writeback_thread_and_flush);
   ADD (rate_controller);
   ADD (cutoff_writes_through);
+  ADD (failing_device_keeps_dirty_data);
 #undef ADD
   return s;
 }
