@@ -22,6 +22,9 @@
 #     bcachefilter  nbdkit --filter=$FILTER_SO nbd -> remote,
 #                   bcache=$WORKDIR/cache.img bcache-size=2*SIZE
 #                   (default mode writethrough, the cache file is O_DIRECT)
+#     bcachefilter-wb  the same with bcache-mode=writeback: writes complete
+#                   in the cache, the writeback thread sends them on at
+#                   bcache's rate (writeback_percent 10)
 #     bcachefilter-pc  the same plus bcache-direct=false: the cache file goes
 #                   through the page cache.  Its own fresh cache file and its
 #                   own warm-up.  Compare it with filepc.
@@ -80,6 +83,10 @@
 #              keeping the cache right costs a write (bcachefilter
 #              journals an invalidation only where a crash could bring the
 #              cached block back).
+#     writes   (not in the default set) 4 KiB random writes with a flush
+#              every 32 (fio --fsync=32: NBD_CMD_FLUSH), COLD: a VM's
+#              filesystem.  Writeback acknowledges from the cache; the
+#              flushes make its journal durable.
 #   Every (config, workload) pair gets a freshly started front end.  The
 #   runs go workload by workload, all configs back to back, so that the
 #   runs a ratio compares are close in time on a shared host; one remote
@@ -139,9 +146,9 @@
 #   OUTDIR     where fio's JSON, the front ends' logs and summary.md go
 #              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
 #   CONFIGS    subset of: remote proxy qemuproxy cachefilter bcachefilter
-#              bcachefilter-pc bcachefilter-none file filepc qemunbd
+#              bcachefilter-wb bcachefilter-pc bcachefilter-none file filepc qemunbd
 #              (default: all)
-#   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw (default:
+#   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw writes (default:
 #              the first four, the first issue's)
 #   REPEAT     runs per (config, workload), the table shows the median
 #              (default 1).  For hits the warm-up is done once.
@@ -177,7 +184,7 @@ set -euo pipefail
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-pc bcachefilter-none file filepc qemunbd"
+ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-wb bcachefilter-pc bcachefilter-none file filepc qemunbd"
 CONFIGS=${CONFIGS:-$ALL_CONFIGS}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
@@ -209,8 +216,8 @@ for c in $CONFIGS; do
         die "unknown config '$c' ($ALL_CONFIGS)"
 done
 for w in $WORKLOADS; do
-    case $w in hits|zipf|randrw|seqread|mixed|rmw) ;;
-    *) die "unknown workload '$w' (hits zipf randrw seqread mixed rmw)" ;;
+    case $w in hits|zipf|randrw|seqread|mixed|rmw|writes) ;;
+    *) die "unknown workload '$w' (hits zipf randrw seqread mixed rmw writes)" ;;
     esac
 done
 has_config() { [[ " $CONFIGS " == *" $1 "* ]]; }
@@ -225,6 +232,7 @@ if [[ ! -f $FILTER_SO ]]; then
     drop_config bcachefilter "$FILTER_SO does not exist"
     drop_config bcachefilter-pc "$FILTER_SO does not exist"
     drop_config bcachefilter-none "$FILTER_SO does not exist"
+    drop_config bcachefilter-wb "$FILTER_SO does not exist"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
 command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
@@ -423,13 +431,14 @@ start_front() {
     cachefilter)
         TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
             nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
-    bcachefilter|bcachefilter-pc|bcachefilter-none)
+    bcachefilter|bcachefilter-pc|bcachefilter-none|bcachefilter-wb)
         # they never run at the same time: each gets a new file at $CACHE
         if [[ $fresh == 1 ]]; then rm -f "$CACHE"; fi
         local ctl=() pc=()
         if [[ -x $BCTL ]]; then ctl=(bcache-ctl="$CTLSOCK"); fi
         if [[ $cfg == bcachefilter-pc ]]; then pc=(bcache-direct=false); fi
         if [[ $cfg == bcachefilter-none ]]; then pc=(bcache-mode=none); fi
+        if [[ $cfg == bcachefilter-wb ]]; then pc=(bcache-mode=writeback); fi
         # shellcheck disable=SC2086
         start_nbdkit "$cfg" "$FSOCK" --filter="$FILTER_SO" \
             nbd socket="$RSOCK" bcache="$CACHE" bcache-size="$CACHE_BYTES" \
@@ -450,7 +459,7 @@ stop_front() {
     FRONT_PID=
 }
 
-is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-none ]]; }
+is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-none || $1 == bcachefilter-wb ]]; }
 
 bctl_stats() {                  # bctl_stats FILE: save bcachefilter's stats
     [[ -x $BCTL && -S $CTLSOCK ]] || return 0
@@ -481,6 +490,8 @@ workload_args() {               # the measured job of each workload
     seqread) echo "--rw=read --bs=1M --time_based --runtime=$RUNTIME" ;;
     mixed)   echo "--rw=randrw --rwmixread=70 --bs=4k --random_distribution=zipf:$ZIPF --norandommap --time_based --runtime=$RUNTIME" ;;
     rmw)     echo "--rw=randwrite --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
+    # a VM's filesystem: random 4k writes, a flush (NBD_CMD_FLUSH) every 32
+    writes)  echo "--rw=randwrite --bs=4k --norandommap --fsync=32 --time_based --runtime=$RUNTIME" ;;
     esac
 }
 
@@ -638,6 +649,12 @@ if any(w == "rmw" for _, w in runs):
     for c in order_c:
         if (c, "rmw") in runs:
             print(f"| {c} | {n(med(c,'rmw','wiops'))} ({med(c,'rmw','wp50'):.2f}/{med(c,'rmw','wp99'):.2f}) |")
+if any(w == "writes" for _, w in runs):
+    print("\n| config | writes: 4k random writes, a flush every 32, IOPS (write p50/p99 ms) |")
+    print("|---|---:|")
+    for c in order_c:
+        if (c, "writes") in runs:
+            print(f"| {c} | {n(med(c,'writes','wiops'))} ({med(c,'writes','wp50'):.2f}/{med(c,'writes','wp99'):.2f}) |")
 if any(w == "mixed" for _, w in runs):
     print("\n| config | mixed: zipf 70/30 4k cold, IOPS read+write (read p50/p99, write p50/p99 ms) |")
     print("|---|---:|")
@@ -663,7 +680,14 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            ("randrw", "iops",  "bcachefilter",    "proxy",   None, "70/30 total IOPS vs the pass-through proxy"),
            ("randrw", "iops",  "bcachefilter-none", "proxy", None, "70/30 total IOPS, bcache-mode=none vs the pass-through proxy"),
            ("rmw",    "wiops", "bcachefilter",    "proxy",   0.90, "4k writes to warm blocks: write IOPS vs the pass-through proxy"),
-           ("mixed",  "iops",  "bcachefilter",    "proxy",   1.80, "zipf 70/30 cold: total IOPS vs the pass-through proxy")]
+           ("mixed",  "iops",  "bcachefilter",    "proxy",   1.80, "zipf 70/30 cold: total IOPS vs the pass-through proxy"),
+           # writeback (issue 14)
+           ("rmw",    "wiops", "bcachefilter-wb", "proxy",   3.00, "writeback: 4k writes to warm blocks, write IOPS vs the pass-through proxy"),
+           ("rmw",    "wiops", "bcachefilter-wb", "cachefilter", 1.00, "writeback: 4k writes to warm blocks, write IOPS vs nbdkit's cache filter (cache=writeback)"),
+           ("writes", "wiops", "bcachefilter-wb", "proxy",   3.00, "writeback: 4k random writes, a flush every 32, vs the pass-through proxy"),
+           ("writes", "wiops", "bcachefilter-wb", "cachefilter", 1.00, "writeback: 4k random writes, a flush every 32, vs nbdkit's cache filter"),
+           ("writes", "wiops", "bcachefilter",    "proxy",   None, "writethrough: 4k random writes, a flush every 32, vs the pass-through proxy"),
+           ("mixed",  "iops",  "bcachefilter-wb", "bcachefilter", 1.50, "zipf 70/30 cold: writeback vs writethrough, total IOPS")]
 print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
 print("|---|---:|---:|---:|")
 for w, k, bc, base, tgt, what in targets:
