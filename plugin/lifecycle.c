@@ -83,12 +83,25 @@ ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
   return 0;
 }
 
+static int update_bdev_state (const struct bcf_backing *b,
+                              enum bcf_cache_mode mode);
+/* The backing device (bdev) is attached to the open cache. */
+static bool bdev_attached;
+
 static int
 set_setting (const char *name, const char *value, char *err, size_t errlen)
 {
   if (strcmp (name, "cache_mode") == 0) {
     int m = parse_mode (value, err, errlen);
-    if (m < 0 || bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
+    if (m < 0)
+      return -1;
+    if (m == BCF_MODE_WRITEBACK && update_bdev_state (bk_background (),
+                                                      BCF_MODE_WRITEBACK) < 0) {
+      snprintf (err, errlen, "cannot mark the backing device dirty (see "
+                "the log): staying in %s", bcf_cache_mode_name (bcf_req_mode (req)));
+      return -1;
+    }
+    if (bcf_req_set_mode (req, (enum bcf_cache_mode) m) < 0)
       return -1;
     nbdkit_debug ("bcachefilter: cache_mode set to %s", value);
     return 0;
@@ -312,6 +325,11 @@ open_engine (const uint8_t uuid[16], uint64_t size,
 static void
 close_engine (void)
 {
+  /* A backing device that nothing dirty is left for is clean again
+   * (the writeback thread may have drained it). */
+  if (req && bcf_req_mode (req) != BCF_MODE_WRITEBACK)
+    update_bdev_state (bk_background (), bcf_req_mode (req));
+  bdev_attached = false;
   /* The request layer first: its fill workers finish what is queued. */
   bcf_req_free (req);
   req = NULL;
@@ -437,6 +455,34 @@ probe_backing_device (const struct bcf_backing *b)
   return 0;
 }
 
+/* The state a bcache backing device's superblock must show, as the
+ * kernel keeps it (research/bcache.md §2.5): dirty before a dirty write
+ * to its cache can be acknowledged, so that nothing uses the device
+ * without this cache while the cache holds its newest data; clean once
+ * nothing is dirty.  Here: dirty in writeback mode and while dirty data
+ * exists, set before the mode switches to writeback (set_setting) and
+ * at attach; clean at attach and at close when nothing is dirty and the
+ * mode is not writeback.  (Dirty keys a writethrough crash leaves belong
+ * to writes that were never acknowledged: the device alone may serve its
+ * older data.)  0, or -1 after nbdkit_error. */
+static int
+update_bdev_state (const struct bcf_backing *b, enum bcf_cache_mode mode)
+{
+  enum bch_bdev_state want;
+  char err[512];
+
+  if (!bdev || !cache || !bdev_attached)
+    return 0;
+  want = mode == BCF_MODE_WRITEBACK || bcf_cache_dirty_bytes (cache) > 0
+         ? BCH_BDEV_STATE_DIRTY : BCH_BDEV_STATE_CLEAN;
+  if (bcf_bdev_set_state (bdev, b, want, err, sizeof err) < 0) {
+    nbdkit_error ("bcachefilter: marking the backing device %s: %s",
+                  bch_bdev_state_name (want), err);
+    return -1;
+  }
+  return 0;
+}
+
 /* After the cache is open for a backing device: mark the device attached
  * to it, as the kernel's attach does (its superblock then names this
  * cache set).  0, or -1 after nbdkit_error. */
@@ -451,18 +497,8 @@ attach_backing_device (const struct bcf_backing *b)
   bch_uuid_unparse (sb.uuid, dev);
   bch_uuid_unparse (sb.set_uuid, was);
   bch_uuid_unparse (set, now);
-  /* Until writeback exists (issue 14), dirty data is served but never
-   * written back to such a device's state: let the kernel write it back
-   * first. */
-  if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OURS_DIRTY) {
-    nbdkit_error ("bcachefilter: backing device %s says that this cache "
-                  "(set %s) holds dirty data for it (a kernel's writeback "
-                  "cache), and the filter does not write dirty data back: "
-                  "let the kernel write it back first (echo writethrough "
-                  "> /sys/block/bcacheN/bcache/cache_mode, then wait until "
-                  "its state is clean)", dev, now);
-    return -1;
-  }
+  /* Dirty for this set (a kernel's writeback cache, or ours): the dirty
+   * data is in this cache, served as the newest and written back. */
   if (bcf_bdev_relation (&sb, set) == BCF_BDEV_OTHER_CLEAN)
     nbdkit_error ("bcachefilter: backing device %s was attached to cache "
                   "set %s; it is now attached to this cache (set %s), and "
@@ -474,7 +510,8 @@ attach_backing_device (const struct bcf_backing *b)
                   "%s: %s", dev, now, err);
     return -1;
   }
-  return 0;
+  bdev_attached = true;
+  return update_bdev_state (b, bcf_req_mode (req)) < 0 ? -1 : 0;
 }
 
 /* The first connection: unless the cache was opened for the export it

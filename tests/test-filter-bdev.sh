@@ -215,12 +215,36 @@ if [ -e "$d/new" ] && ! cmp -s "$d/new" <(head -c 64M /dev/zero); then
 fi
 test "$(sb show "$img" set_uuid)" = "$other" && test "$(sb show "$img" state)" = dirty ||
     fail "the superblock of a device another set holds dirty data for was changed"
-# Dirty for this cache's own set (a kernel's writeback): refused too,
-# until the filter writes dirty data back.
+# Dirty for this cache's own set (a kernel's writeback cache, or ours):
+# served, and clean again once nothing is dirty (writethrough: at once).
 sb set-state "$img" "$set_uuid" dirty
-refused_at_connect "$d/ours.err" "does not write dirty data back" \
-    "${F[@]}" nbd socket="$remote_sock" bcache="$d/cache"
-sb set-state "$img" "$set_uuid" clean
+start_proxy p bcache="$d/cache" bcache-ctl="$d/ctl"
+nbdio "$p_sock" rfile $((1 * M)) 64K "$d/back"
+test "$(sb show "$img" state)" = clean ||
+    fail "dirty for our own set, nothing dirty in the cache: not made clean"
+# Writeback: dirty before the first dirty write, and it stays so across a
+# clean stop while dirty data is in the cache; a writethrough start
+# drains it and makes the device clean.
+bcachefilter-ctl -s "$d/ctl" set cache_mode writeback
+test "$(sb show "$img" state)" = dirty ||
+    fail "writeback mode on a backing device: its superblock is not dirty"
+head -c 64K /dev/urandom > "$d/wb"
+nbdio "$p_sock" wfile $((2 * M)) "$d/wb"
+stop_nbdkit "$p_pid"
+test "$(sb show "$img" state)" = dirty ||
+    fail "a clean stop with dirty data: the device is not dirty"
+start_proxy p bcache="$d/cache" bcache-ctl="$d/ctl"
+nbdio "$p_sock" rfile $((2 * M)) 64K "$d/back"
+cmp "$d/back" "$d/wb" || fail "the dirty data was not served after a restart"
+for (( i = 0; i < 300; i++ )); do
+    [ "$(ctl_stat "$d/ctl" dirty_data)" -eq 0 ] && break
+    sleep 0.1
+done
+stop_nbdkit "$p_pid"
+test "$(sb show "$img" state)" = clean ||
+    fail "after the writeback drained: the device is not clean"
+cmp <(dd if="$img" bs=4096 skip=$(((2 * M + 8192) / 4096)) count=16 status=none) \
+    "$d/wb" || fail "the dirty data did not reach the device"
 
 # ---------------------------------------------------------------------
 # 6. A damaged superblock.
