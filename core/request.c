@@ -1238,20 +1238,29 @@ invalidate_durably (struct bcf_req *r, uint64_t start, uint64_t len)
   return cache_update_failed (r);
 }
 
+static int write_back_span (struct bcf_req *r, const struct bcf_backing *b,
+                            struct span s);
+
 /* W2 for writethrough: the whole blocks in of the span s as dirty keys
  * (data holds them), the partial blocks at the ends invalidated.
  * Returns 1 if the data is in the cache (w to be completed at W4), 0 if
  * it is not but the range is invalidated, or -EIO (see
  * cache_update_failed). */
 static int
-cache_write (struct bcf_req *r, struct span s, struct span in,
-             const void *data, struct bcf_write *w)
+cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+             struct span in, const void *data, bool dirty,
+             struct bcf_write *w)
 {
   int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, w);
 
   if (rc < 0) {
     if (rc != -ENOSPC && rc != -EROFS)
       device_error (r);
+    /* Not cached over dirty data (no room): the invalidation must not
+     * drop the dirty data before the backing store has something at
+     * least as new, so it is written back first, as for a trim. */
+    if (dirty && (rc = write_back_span (r, b, s)) < 0)
+      return rc;
     return invalidate_durably (r, s.start, s.end - s.start);
   }
   /* The edges first: their journal entry, if they need one, comes after
@@ -1464,7 +1473,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
 
   if (insert && !cache_off (r))                                /* W2 */
-    rc = cache_write (r, s, in, data + (in.start - woff), &w);
+    rc = cache_write (r, b, s, in, data + (in.start - woff), dirty, &w);
   else
     rc = invalidate_durably (r, s.start, s.end - s.start);
   if (insert && rc == 0)
