@@ -1229,6 +1229,18 @@ text_jentry_keys (const struct bcf_journal_entry *e, uint64_t bucket_sectors)
   }
 }
 
+/* The engine's judgement of a bad block (bcachefilter/inspect.h). */
+static const char *
+bad_word (enum bcf_journal_bad why)
+{
+  switch (why) {
+  case BCF_JOURNAL_BAD_TORN:    return "torn tail";
+  case BCF_JOURNAL_BAD_STALE:   return "stale";
+  case BCF_JOURNAL_BAD_CORRUPT: return "corrupt";
+  }
+  return "?";
+}
+
 static void
 text_jentry (const struct bcf_journal_scan *s,
              const struct bcf_journal_entry *e, uint64_t bucket_sectors,
@@ -1236,7 +1248,8 @@ text_jentry (const struct bcf_journal_scan *s,
 {
   printf ("bucket %" PRIu64 " offset %zu: ", e->bucket, e->offset);
   if (e->bad) {
-    printf ("ignored: %s\n", e->msg);
+    printf ("ignored: %s (claims seq %" PRIu64 ": %s)\n", e->msg,
+            e->claimed_seq, bad_word (e->why));
     return;
   }
   printf ("seq %" PRIu64 ", last_seq %" PRIu64 ", %u keys (%u words), root ",
@@ -1267,6 +1280,8 @@ json_jentry (struct json *j, const struct bcf_journal_scan *s,
   json_u64 (j, "offset", e->offset);
   if (e->bad) {
     json_str (j, "error", e->msg);
+    json_u64 (j, "claimed_seq", e->claimed_seq);
+    json_str (j, "judged", bad_word (e->why));
     json_close (j, '}');
     return;
   }
@@ -1393,6 +1408,8 @@ text_journal (const struct device *dev, const struct bcf_journal_scan *s,
           nw->hdr.last_seq);
   printf ("replay needs entries %" PRIu64 "-%" PRIu64 ": %s\n",
           nw->hdr.last_seq, nw->hdr.seq, replay_word (s->status));
+  if (s->skipped[0])
+    printf ("skipped: %s\n", s->skipped);
 }
 
 static int
@@ -1815,6 +1832,16 @@ mode_buckets (const struct options *opts, const struct device *dev,
 
 #define FSCK_REPORT_BYTES (1024 * 1024)
 
+/* bcf_cache_fsck's report lines that are notes, not problems. */
+#define NOTE_PREFIX "note: "
+#define NOTE_PREFIX_LEN (sizeof NOTE_PREFIX - 1)
+
+static bool
+is_note (const char *line)
+{
+  return strncmp (line, NOTE_PREFIX, NOTE_PREFIX_LEN) == 0;
+}
+
 static int
 mode_fsck (const struct options *opts, const struct device *dev,
            int load_status)
@@ -1861,9 +1888,22 @@ mode_fsck (const struct options *opts, const struct device *dev,
     json_open (&j, "problems", '[');
     while (*p) {
       size_t len = strcspn (p, "\n");
-      json_key (&j, NULL);
-      json_string (stdout, p, len);
-      lines++;
+      if (!is_note (p)) {
+        json_key (&j, NULL);
+        json_string (stdout, p, len);
+        lines++;
+      }
+      p += len;
+      p += *p == '\n';
+    }
+    json_close (&j, ']');
+    json_open (&j, "notes", '[');
+    for (p = report; *p; ) {
+      size_t len = strcspn (p, "\n");
+      if (is_note (p)) {
+        json_key (&j, NULL);
+        json_string (stdout, p + NOTE_PREFIX_LEN, len - NOTE_PREFIX_LEN);
+      }
       p += len;
       p += *p == '\n';
     }
@@ -1871,22 +1911,26 @@ mode_fsck (const struct options *opts, const struct device *dev,
     json_close (&j, '}');
     putchar ('\n');
   }
-  else if (problems == 0)
-    printf ("clean: %" PRIu64 " nodes, %" PRIu64 " keys, %" PRIu64
-            " buckets checked\n", nodes, keys, buckets);
   else {
     const char *p = report;
 
     while (*p) {
       size_t len = strcspn (p, "\n");
-      printf ("problem: %.*s\n", (int) len, p);
-      lines++;
+      if (is_note (p))
+        printf ("%.*s\n", (int) len, p);
+      else {
+        printf ("problem: %.*s\n", (int) len, p);
+        lines++;
+      }
       p += len;
       p += *p == '\n';
     }
     if (lines < (size_t) problems)
       printf ("problem: ... %zu more (the report was truncated)\n",
               (size_t) problems - lines);
+    if (problems == 0)
+      printf ("clean: %" PRIu64 " nodes, %" PRIu64 " keys, %" PRIu64
+              " buckets checked\n", nodes, keys, buckets);
   }
   free (report);
   status = finish_output ();
