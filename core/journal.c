@@ -48,7 +48,10 @@
  * journal is corrupt and open fails (journal_judge: the one rule, so
  * bcachefilter-show and the open never disagree); their keys are
  * replayed in order.  A torn or lost newest entry was never acknowledged
- * as durable, so it is simply absent.
+ * as durable, so it is simply absent; but blocks that carry the magic and
+ * do not decode are judged too (judge_bad: a torn tail, stale leftovers,
+ * or corruption between valid entries), and the open logs a warning
+ * saying what it skipped, which bcf_cache_fsck reports again.
  *
  * Locking: journal.lock protects all fields; the writer sets `writing`
  * and does its I/O without the lock.  journal.lock is taken inside

@@ -36,8 +36,10 @@
  * journal holds (test_invalidate_journal_choice, test_invalidate_
  * captured_crash); a fill survives a crash once the journal timer's
  * checkpoint ran (test_fill_survives_crash); and recovery tolerates a
- * torn newest journal
- * entry and refuses a gap in the middle of the journal.
+ * torn newest journal entry but says so (a warning, an fsck note), warns
+ * about a corrupt entry it does not need that has valid entries on both
+ * sides (an fsck problem: test_journal_corrupt_middle), and refuses a gap
+ * in the middle of the journal.
  */
 #include "config.h"
 
