@@ -28,6 +28,8 @@
  *   before children, under the btree lock.
  * - buckets: bcf_cache_buckets copies the allocator's view of every
  *   bucket (use, prio, gen) under its lock.
+ * - write-intent marks: bcf_cache_intent_marks lists the regions marked
+ *   in the tree, whose clean data a crash left suspect.
  * - bcf_cache_fsck: the checks an open does not already make.
  *
  * A cache opened read-only (bcf_cache_opts.readonly) is never written;
@@ -167,6 +169,18 @@ struct bcf_bucket {
  * entries.  Returns 0 or -ENOMEM. */
 int bcf_cache_buckets (struct bcf_cache *c, struct bcf_bucket **out,
                        uint64_t *n);
+
+/* ---- Write-intent marks ------------------------------------------------------ */
+
+/* Write-intent regions (core/intent.c) are this big. */
+#define BCF_INTENT_REGION_BYTES (16ull << 20)
+
+/* The regions marked in the tree as the open found them (after a crash:
+ * the clean data in them is suspect, and the next read-write open drops
+ * it): up to max region start offsets (bytes of the export) from
+ * byte from on, in order, into out.  Returns how many. */
+unsigned bcf_cache_intent_marks (struct bcf_cache *c, uint64_t from,
+                                 uint64_t *out, unsigned max);
 
 /* ---- Consistency ------------------------------------------------------------- */
 
