@@ -363,6 +363,9 @@ struct journal {
   struct bcf_journal_scan *replay;
   const struct bcf_journal_entry **replay_order;
   size_t replay_n;
+  /* What the open's scan skipped (journal_judge): fsck reports it. */
+  size_t ncorrupt;
+  char skipped[768];
   uint64_t writes;
 };
 

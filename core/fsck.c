@@ -25,8 +25,11 @@
  *     sized placeholders at region boundaries, and where there is one
  *     the superblock carries the write-intent feature bit (the kernel
  *     must refuse the cache).
+ *   - the journal: what the open's scan skipped, judged by its rule
+ *     (journal_judge): corrupt entries are a problem, a torn tail (normal
+ *     after a crash) a note.
  * Problems are appended to the report, one per line; the count is
- * returned.
+ * returned.  Notes are lines starting with "note: ", not counted.
  *
  * Locking: takes tree_lock for reading and alloc.lock briefly per check;
  * meant for an idle cache (tools, tests).
@@ -50,24 +53,46 @@ struct fsck_ctx {
   uint64_t intent_marks;
 };
 
-static void __attribute__ ((format (printf, 2, 3)))
-problem (struct fsck_ctx *f, const char *fmt, ...)
+/* Append PREFIX, the formatted line and a newline to the report,
+ * truncating it if need be. */
+static void
+append (struct fsck_ctx *f, const char *prefix, const char *fmt, va_list ap)
 {
-  va_list ap;
-
-  f->problems++;
   if (!f->report || f->used + 1 >= f->len)
     return;
-  va_start (ap, fmt);
-  f->used += (size_t) vsnprintf (f->report + f->used, f->len - f->used, fmt,
-                                 ap);
-  va_end (ap);
+  f->used += (size_t) snprintf (f->report + f->used, f->len - f->used, "%s",
+                                prefix);
+  if (f->used + 1 < f->len)
+    f->used += (size_t) vsnprintf (f->report + f->used, f->len - f->used,
+                                   fmt, ap);
   if (f->used + 1 < f->len) {
     f->report[f->used++] = '\n';
     f->report[f->used] = '\0';
   }
   else
     f->used = f->len - 1;
+}
+
+static void __attribute__ ((format (printf, 2, 3)))
+problem (struct fsck_ctx *f, const char *fmt, ...)
+{
+  va_list ap;
+
+  f->problems++;
+  va_start (ap, fmt);
+  append (f, "", fmt, ap);
+  va_end (ap);
+}
+
+/* A line that is not a problem (not counted): "note: ...". */
+static void __attribute__ ((format (printf, 2, 3)))
+note (struct fsck_ctx *f, const char *fmt, ...)
+{
+  va_list ap;
+
+  va_start (ap, fmt);
+  append (f, "note: ", fmt, ap);
+  va_end (ap);
 }
 
 static int
@@ -218,6 +243,11 @@ bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len)
   pthread_mutex_lock (&c->ckpt_lock);
   intent_bit = c->sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT;
   pthread_mutex_unlock (&c->ckpt_lock);
+  /* Set once by the open. */
+  if (c->journal.skipped[0] && c->journal.ncorrupt)
+    problem (&f, "journal: %s", c->journal.skipped);
+  else if (c->journal.skipped[0])
+    note (&f, "journal: %s", c->journal.skipped);
   pthread_rwlock_rdlock (&c->tree_lock);
   pthread_mutex_lock (&c->alloc.lock);
   btree_visit (c, check_node, &f);

@@ -75,6 +75,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bcachefilter/inspect.h"
 #include "engine.h"
 #include "super.h"
 
@@ -445,6 +446,24 @@ marks_locked (struct bcf_cache *c, uint64_t from, uint64_t *out,
       break;
     pos = ckey_end (&leaf->key);
   }
+  return n;
+}
+
+_Static_assert (BCF_INTENT_REGION_BYTES ==
+                INTENT_REGION_SECTORS << BCH_SECTOR_SHIFT,
+                "inspect.h's region size is the engine's");
+
+unsigned
+bcf_cache_intent_marks (struct bcf_cache *c, uint64_t from, uint64_t *out,
+                        unsigned max)
+{
+  unsigned n;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  n = marks_locked (c, from / BCF_INTENT_REGION_BYTES, out, max);
+  pthread_rwlock_unlock (&c->tree_lock);
+  for (unsigned i = 0; i < n; i++)
+    out[i] *= BCF_INTENT_REGION_BYTES;
   return n;
 }
 

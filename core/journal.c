@@ -48,7 +48,10 @@
  * journal is corrupt and open fails (journal_judge: the one rule, so
  * bcachefilter-show and the open never disagree); their keys are
  * replayed in order.  A torn or lost newest entry was never acknowledged
- * as durable, so it is simply absent.
+ * as durable, so it is simply absent; but blocks that carry the magic and
+ * do not decode are judged too (judge_bad: a torn tail, stale leftovers,
+ * or corruption between valid entries), and the open logs a warning
+ * saying what it skipped, which bcf_cache_fsck reports again.
  *
  * Locking: journal.lock protects all fields; the writer sets `writing`
  * and does its I/O without the lock.  journal.lock is taken inside
@@ -403,6 +406,8 @@ struct scan_ctx {
   size_t cap;
   unsigned index;               /* the journal bucket being walked */
   uint64_t bucket;
+  const uint8_t *buf;           /* ... its bytes */
+  size_t bucket_bytes;
   struct bch_key_geometry geo;
   int err;
 };
@@ -495,11 +500,16 @@ keep_valid (const struct bch_jset *js, size_t offset, size_t bytes,
 static int
 keep_bad (size_t offset, const struct bch_diag *why, void *opaque)
 {
+  const struct scan_ctx *x = opaque;
   struct bcf_journal_entry *e = scan_add (opaque, offset);
 
   if (!e)
     return -1;
   e->bad = true;
+  /* The seq field (byte 16 of a jset), unchecked: the block carries the
+   * magic, so the header is likely the entry's, if not its keys. */
+  if (offset + 24 <= x->bucket_bytes)
+    e->claimed_seq = bch_get_le64 (x->buf + offset + 16);
   snprintf (e->msg, sizeof e->msg, "%s", why->msg);
   return 0;
 }
@@ -588,6 +598,66 @@ describe (struct bcf_journal_scan *s)
     s->status = BCF_JOURNAL_OK;
 }
 
+/* Judge the bad blocks by the seq they claim (bcachefilter/inspect.h),
+ * and say what was skipped in s->skipped. */
+static void
+judge_bad (struct bcf_journal_scan *s)
+{
+  const struct bcf_journal_entry *torn = NULL, *corrupt = NULL;
+  uint64_t oldest = UINT64_MAX;
+  size_t len = 0;
+
+  for (size_t i = 0; i < s->n; i++)
+    if (!s->entries[i].bad && s->entries[i].hdr.seq < oldest)
+      oldest = s->entries[i].hdr.seq;
+  for (size_t i = 0; i < s->n; i++) {
+    struct bcf_journal_entry *e = &s->entries[i];
+    bool copy = false;
+
+    if (!e->bad)
+      continue;
+    for (size_t k = 0; k < s->n && !copy; k++)
+      copy = !s->entries[k].bad && s->entries[k].hdr.seq == e->claimed_seq;
+    if (!s->newest || e->claimed_seq > s->newest->hdr.seq || copy) {
+      e->why = BCF_JOURNAL_BAD_TORN;
+      s->ntorn++;
+      if (!torn || e->claimed_seq > torn->claimed_seq)
+        torn = e;
+    }
+    else if (e->claimed_seq < oldest) {
+      e->why = BCF_JOURNAL_BAD_STALE;
+      s->nstale++;
+    }
+    else {
+      e->why = BCF_JOURNAL_BAD_CORRUPT;
+      s->ncorrupt++;
+      if (!corrupt)
+        corrupt = e;
+    }
+  }
+  s->skipped[0] = '\0';
+  if (corrupt)
+    len = (size_t) snprintf (s->skipped, sizeof s->skipped,
+                             "%zu corrupt journal entr%s skipped, the first "
+                             "claiming seq %" PRIu64 " (bucket %" PRIu64
+                             " offset %zu: %s), with valid entries older and "
+                             "newer: it was durable once, so the journal is "
+                             "damaged", s->ncorrupt,
+                             s->ncorrupt == 1 ? "y" : "ies",
+                             corrupt->claimed_seq, corrupt->bucket,
+                             corrupt->offset, corrupt->msg);
+  if (torn && len < sizeof s->skipped)
+    snprintf (s->skipped + len, sizeof s->skipped - len,
+              "%s%zu torn journal entr%s skipped, the newest claiming seq %"
+              PRIu64 " (bucket %" PRIu64 " offset %zu: %s): a write cut "
+              "short by a crash, never acknowledged; replay starts from "
+              "the newest valid entry%s%" PRIu64 "%s", len ? "; " : "",
+              s->ntorn, s->ntorn == 1 ? "y" : "ies", torn->claimed_seq,
+              torn->bucket, torn->offset, torn->msg,
+              s->newest ? ", " : "", s->newest ? s->newest->hdr.seq : 0,
+              s->newest ? "" : " (none)");
+}
+
 /* The one rule (bcachefilter/inspect.h): the newest valid entry names
  * the oldest entry replay needs; every entry from there on must be there
  * once, with good keys.  Returns 0 or -ENOMEM. */
@@ -602,6 +672,7 @@ journal_judge (struct bcf_journal_scan *s)
     if (!e->bad && (!s->newest || e->hdr.seq > s->newest->hdr.seq))
       s->newest = e;
   }
+  judge_bad (s);
   if (!s->newest) {
     s->status = BCF_JOURNAL_EMPTY;
     snprintf (s->msg, sizeof s->msg, "the journal holds no valid entry "
@@ -651,6 +722,8 @@ journal_scan (struct bcf_io *io, const struct bch_sb *sb,
   for (unsigned i = 0; i < nj && r == 0; i++) {
     x.index = i;
     x.bucket = sb->d[i];
+    x.buf = buf;
+    x.bucket_bytes = bucket_bytes;
     r = bcf_io_pread (io, buf, bucket_bytes, sb->d[i] * bucket_bytes);
     if (r == 0 &&
         bch_journal_bucket_scan (buf, bucket_bytes, block, bch_jset_magic (sb),
@@ -734,6 +807,11 @@ journal_read (struct bcf_cache *c, struct journal_replay *rp, char *err,
     snprintf (err, errlen, "reading the journal: %s", strerror (-r));
     goto fail;
   }
+  if (j->replay->skipped[0])
+    bcf_log (c, BCF_LOG_WARN, "%s: journal: %s", bcf_io_path (c->io),
+             j->replay->skipped);
+  j->ncorrupt = j->replay->ncorrupt;
+  snprintf (j->skipped, sizeof j->skipped, "%s", j->replay->skipped);
   if (j->replay->status != BCF_JOURNAL_OK) {
     snprintf (err, errlen, "%s", j->replay->msg);
     r = -EUCLEAN;

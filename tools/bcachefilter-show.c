@@ -31,7 +31,21 @@
  *                    buckets after that open (which runs the initial
  *                    mark), bcf_cache_buckets;
  *        --fsck      the open itself (every checksum, the journal's
- *                    continuity, every key) plus bcf_cache_fsck.
+ *                    continuity, every key) plus bcf_cache_fsck;
+ *        --verify    the open, with the export at URI (libnbd) as its
+ *                    backing store for reads only, then bcf_lookup over
+ *                    the whole export: every clean hit is read from the
+ *                    cache (bcf_read_hit) and from the export and
+ *                    compared; dirty hits are counted, not compared (they
+ *                    are newer than the export by design), and so are
+ *                    clean hits in write-intent regions still marked
+ *                    (bcf_cache_intent_marks: after a crash the export may
+ *                    be newer there, and the next open drops them).  The keys are
+ *                    at backing-store bytes, which for a bcache backing
+ *                    device include its data_offset, so the URI must
+ *                    serve the store the filter ran on, whole.
+ *      --verify shows a percentage on stderr when it is a terminal
+ *      (struct progress, the one helper for any long mode).
  *      The engine modes use only its public API (bcachefilter/cache.h,
  *      inspect.h) on a single-threaded, read-only open, so no lock is
  *      contended.  A read-only open never writes the device.
@@ -66,7 +80,8 @@
  *      make-bcache -C and never registered, so it has no journal, btree
  *      or prios yet
  * With --force, statuses 5 to 7 still print the superblock (and still
- * exit with that status).
+ * exit with that status).  --verify has its own statuses, like cmp(1):
+ * 0 every clean extent agrees, 1 some differ, 2 any error.
  */
 
 #include <config.h>
@@ -86,6 +101,8 @@
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <linux/fs.h>
+
+#include <libnbd.h>
 
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
@@ -130,6 +147,57 @@ device_error (const char *path, const char *fs, ...)
   vfprintf (stderr, fs, args);
   va_end (args);
   fputc ('\n', stderr);
+}
+
+/* Progress on stderr, only when stderr is a terminal: "LABEL: N%" on
+ * one line, rewritten at most four times a second, erased at the end.
+ * The one helper for long modes (--verify). */
+struct progress {
+  bool on;
+  const char *label;
+  uint64_t total;
+  struct timespec last;
+  int shown;                /* the percentage last printed, or -1 */
+};
+
+static void
+progress_start (struct progress *p, const char *label, uint64_t total)
+{
+  p->on = isatty (STDERR_FILENO) == 1;
+  p->label = label;
+  p->total = total;
+  p->last = (struct timespec) { 0, 0 };
+  p->shown = -1;
+}
+
+static void
+progress_update (struct progress *p, uint64_t done)
+{
+  struct timespec now;
+  int pct;
+
+  if (!p->on)
+    return;
+  clock_gettime (CLOCK_MONOTONIC, &now);
+  if ((now.tv_sec - p->last.tv_sec) * 1000000000LL +
+      (now.tv_nsec - p->last.tv_nsec) < 250000000LL)
+    return;
+  pct = p->total ? (int) ((double) done * 100 / (double) p->total) : 100;
+  if (pct > 100)
+    pct = 100;
+  p->last = now;
+  if (pct == p->shown)
+    return;
+  p->shown = pct;
+  fprintf (stderr, "\r%s: %s: %d%%", PROGRAM_NAME, p->label, pct);
+}
+
+static void
+progress_end (struct progress *p)
+{
+  if (p->on && p->shown >= 0)
+    fputs ("\r\033[K", stderr);
+  p->shown = -1;
 }
 
 /* a * b, or UINT64_MAX if that overflows (sizes derived from untrusted
@@ -1001,6 +1069,7 @@ struct options {
   bool force;
   bool verbose;
   const char *path;
+  const char *uri;              /* --verify: the export */
   const char *mode_option;      /* "--journal" ..., NULL: superblock */
   /* The mode: shows something about a device whose superblock was
    * loaded with status load_status (EXIT_OK, or >= EXIT_CSUM with
@@ -1163,6 +1232,18 @@ text_jentry_keys (const struct bcf_journal_entry *e, uint64_t bucket_sectors)
   }
 }
 
+/* The engine's judgement of a bad block (bcachefilter/inspect.h). */
+static const char *
+bad_word (enum bcf_journal_bad why)
+{
+  switch (why) {
+  case BCF_JOURNAL_BAD_TORN:    return "torn tail";
+  case BCF_JOURNAL_BAD_STALE:   return "stale";
+  case BCF_JOURNAL_BAD_CORRUPT: return "corrupt";
+  }
+  return "?";
+}
+
 static void
 text_jentry (const struct bcf_journal_scan *s,
              const struct bcf_journal_entry *e, uint64_t bucket_sectors,
@@ -1170,7 +1251,8 @@ text_jentry (const struct bcf_journal_scan *s,
 {
   printf ("bucket %" PRIu64 " offset %zu: ", e->bucket, e->offset);
   if (e->bad) {
-    printf ("ignored: %s\n", e->msg);
+    printf ("ignored: %s (claims seq %" PRIu64 ": %s)\n", e->msg,
+            e->claimed_seq, bad_word (e->why));
     return;
   }
   printf ("seq %" PRIu64 ", last_seq %" PRIu64 ", %u keys (%u words), root ",
@@ -1201,6 +1283,8 @@ json_jentry (struct json *j, const struct bcf_journal_scan *s,
   json_u64 (j, "offset", e->offset);
   if (e->bad) {
     json_str (j, "error", e->msg);
+    json_u64 (j, "claimed_seq", e->claimed_seq);
+    json_str (j, "judged", bad_word (e->why));
     json_close (j, '}');
     return;
   }
@@ -1327,6 +1411,8 @@ text_journal (const struct device *dev, const struct bcf_journal_scan *s,
           nw->hdr.last_seq);
   printf ("replay needs entries %" PRIu64 "-%" PRIu64 ": %s\n",
           nw->hdr.last_seq, nw->hdr.seq, replay_word (s->status));
+  if (s->skipped[0])
+    printf ("skipped: %s\n", s->skipped);
 }
 
 static int
@@ -1404,8 +1490,8 @@ open_error_to_exit (int r)
  * and every btree node, replays the journal in memory and runs the
  * initial mark.  NULL with *status set (and a message) on failure. */
 static struct bcf_cache *
-engine_open (const struct options *opts, const struct device *dev,
-             int *status)
+engine_open_backing (const struct options *opts, const struct device *dev,
+                     const struct bcf_backing *backing, int *status)
 {
   static struct log_ctx lc;
   struct bcf_cache_opts o = { 0 };
@@ -1423,6 +1509,8 @@ engine_open (const struct options *opts, const struct device *dev,
   o.readonly = true;
   o.log = engine_log;
   o.log_opaque = &lc;
+  if (backing)
+    o.backing = *backing;
   r = bcf_cache_open (&o, &c, err, sizeof err);
   if (r < 0) {
     *status = open_error_to_exit (r);
@@ -1434,6 +1522,15 @@ engine_open (const struct options *opts, const struct device *dev,
   }
   *status = EXIT_OK;
   return c;
+}
+
+/* The same without a backing store (the engine then knows no export
+ * size, and nothing can be looked up by offset). */
+static struct bcf_cache *
+engine_open (const struct options *opts, const struct device *dev,
+             int *status)
+{
+  return engine_open_backing (opts, dev, NULL, status);
 }
 
 /* ------------------------------------------------------------------------
@@ -1738,6 +1835,16 @@ mode_buckets (const struct options *opts, const struct device *dev,
 
 #define FSCK_REPORT_BYTES (1024 * 1024)
 
+/* bcf_cache_fsck's report lines that are notes, not problems. */
+#define NOTE_PREFIX "note: "
+#define NOTE_PREFIX_LEN (sizeof NOTE_PREFIX - 1)
+
+static bool
+is_note (const char *line)
+{
+  return strncmp (line, NOTE_PREFIX, NOTE_PREFIX_LEN) == 0;
+}
+
 static int
 mode_fsck (const struct options *opts, const struct device *dev,
            int load_status)
@@ -1784,9 +1891,22 @@ mode_fsck (const struct options *opts, const struct device *dev,
     json_open (&j, "problems", '[');
     while (*p) {
       size_t len = strcspn (p, "\n");
-      json_key (&j, NULL);
-      json_string (stdout, p, len);
-      lines++;
+      if (!is_note (p)) {
+        json_key (&j, NULL);
+        json_string (stdout, p, len);
+        lines++;
+      }
+      p += len;
+      p += *p == '\n';
+    }
+    json_close (&j, ']');
+    json_open (&j, "notes", '[');
+    for (p = report; *p; ) {
+      size_t len = strcspn (p, "\n");
+      if (is_note (p)) {
+        json_key (&j, NULL);
+        json_string (stdout, p + NOTE_PREFIX_LEN, len - NOTE_PREFIX_LEN);
+      }
       p += len;
       p += *p == '\n';
     }
@@ -1794,22 +1914,26 @@ mode_fsck (const struct options *opts, const struct device *dev,
     json_close (&j, '}');
     putchar ('\n');
   }
-  else if (problems == 0)
-    printf ("clean: %" PRIu64 " nodes, %" PRIu64 " keys, %" PRIu64
-            " buckets checked\n", nodes, keys, buckets);
   else {
     const char *p = report;
 
     while (*p) {
       size_t len = strcspn (p, "\n");
-      printf ("problem: %.*s\n", (int) len, p);
-      lines++;
+      if (is_note (p))
+        printf ("%.*s\n", (int) len, p);
+      else {
+        printf ("problem: %.*s\n", (int) len, p);
+        lines++;
+      }
       p += len;
       p += *p == '\n';
     }
     if (lines < (size_t) problems)
       printf ("problem: ... %zu more (the report was truncated)\n",
               (size_t) problems - lines);
+    if (problems == 0)
+      printf ("clean: %" PRIu64 " nodes, %" PRIu64 " keys, %" PRIu64
+              " buckets checked\n", nodes, keys, buckets);
   }
   free (report);
   status = finish_output ();
@@ -1819,6 +1943,243 @@ mode_fsck (const struct options *opts, const struct device *dev,
                   problems == 1 ? "" : "s", nodes, keys, buckets);
     status = worst (status, EXIT_FSCK);
   }
+  return status;
+}
+
+/* ------------------------------------------------------------------------
+ * --verify: the cache's clean data against the export
+ * ------------------------------------------------------------------------ */
+
+/* Exit statuses of --verify, like cmp(1)'s (see the man page). */
+enum {
+  VERIFY_SAME   = 0,        /* every clean extent agrees with the export */
+  VERIFY_DIFFER = 1,        /* at least one differs */
+  VERIFY_ERROR  = 2,        /* could not tell */
+};
+
+#define VERIFY_CHUNK (1024 * 1024)   /* bytes compared at a time */
+#define VERIFY_EXTENTS 64            /* extents per bcf_lookup */
+
+struct verify {
+  struct bcf_cache *c;
+  struct nbd_handle *nbd;
+  const char *path, *uri;
+  char *cbuf, *ebuf;        /* VERIFY_CHUNK bytes each */
+  uint64_t *marks;          /* write-intent regions marked (start bytes) */
+  size_t nmarks;
+  uint64_t extents, bytes, differ, dirty, dirty_bytes, suspect,
+           suspect_bytes;
+};
+
+/* Is any byte of e in a marked write-intent region?  After a crash its
+ * clean data is suspect (the export may be newer), and the next
+ * read-write open drops it: skipped, like dirty data. */
+static bool
+in_marked_region (const struct verify *v, const struct bcf_extent *e)
+{
+  for (size_t i = 0; i < v->nmarks; i++)
+    if (e->offset < v->marks[i] + BCF_INTENT_REGION_BYTES &&
+        v->marks[i] < e->offset + e->len)
+      return true;
+  return false;
+}
+
+/* Collect the marked regions.  0, or -1 if out of memory. */
+static int
+load_marks (struct verify *v)
+{
+  uint64_t buf[64], from = 0;
+  unsigned n;
+
+  while ((n = bcf_cache_intent_marks (v->c, from, buf, 64)) > 0) {
+    uint64_t *p = realloc (v->marks, (v->nmarks + n) * sizeof *p);
+    if (!p)
+      return -1;
+    v->marks = p;
+    memcpy (v->marks + v->nmarks, buf, n * sizeof *buf);
+    v->nmarks += n;
+    from = buf[n - 1] + BCF_INTENT_REGION_BYTES;
+    if (n < 64)
+      break;
+  }
+  return 0;
+}
+
+/* Compare one clean hit: returns 0, or -1 after a message (an error). */
+static int
+verify_hit (struct verify *v, const struct bcf_extent *e)
+{
+  uint64_t done;
+  bool differs = false;
+
+  for (done = 0; done < e->len && !differs; ) {
+    struct bcf_extent piece = *e;
+    size_t n = e->len - done < VERIFY_CHUNK ? e->len - done : VERIFY_CHUNK;
+    size_t i;
+    int r;
+
+    piece.offset += done;
+    piece.dev_offset += done;
+    piece.len = n;
+    r = bcf_read_hit (v->c, &piece, v->cbuf);
+    if (r < 0) {
+      errno = -r;
+      device_error (v->path, "reading the cache at byte %" PRIu64
+                    " (export bytes %" PRIu64 "+%zu): %m",
+                    piece.dev_offset, piece.offset, n);
+      return -1;
+    }
+    if (nbd_pread (v->nbd, v->ebuf, n, piece.offset, 0) == -1) {
+      fprintf (stderr, "%s: %s: reading export bytes %" PRIu64 "+%zu: %s\n",
+               PROGRAM_NAME, v->uri, piece.offset, n, nbd_get_error ());
+      return -1;
+    }
+    if (memcmp (v->cbuf, v->ebuf, n) != 0) {
+      for (i = 0; v->cbuf[i] == v->ebuf[i]; i++)
+        ;
+      printf ("differs: export offset %" PRIu64 " length %" PRIu64
+              " (cache byte %" PRIu64 "): first differing byte at export "
+              "offset %" PRIu64 "\n", e->offset, e->len, e->dev_offset,
+              piece.offset + i);
+      differs = true;
+    }
+    done += n;
+  }
+  v->extents++;
+  v->bytes += e->len;
+  v->differ += differs;
+  return 0;
+}
+
+/* Walk [0, size) with bcf_lookup: every hit is compared (clean) or
+ * counted (dirty).  0, or -1 after a message. */
+static int
+verify_all (struct verify *v, uint64_t size)
+{
+  struct bcf_extent ex[VERIFY_EXTENTS];
+  struct progress p;
+  uint64_t pos = 0;
+
+  progress_start (&p, "verify", size);
+  while (pos < size) {
+    unsigned n, i;
+    int r = bcf_lookup (v->c, pos, size - pos, ex, VERIFY_EXTENTS, &n);
+
+    if (r < 0 || n == 0) {
+      progress_end (&p);
+      errno = r < 0 ? -r : EIO;
+      device_error (v->path, "looking up export bytes %" PRIu64 " on: %m",
+                    pos);
+      return -1;
+    }
+    for (i = 0; i < n; i++) {
+      if (ex[i].kind == BCF_EXTENT_HIT && ex[i].dirty) {
+        v->dirty++;
+        v->dirty_bytes += ex[i].len;
+      }
+      else if (ex[i].kind == BCF_EXTENT_HIT && in_marked_region (v, &ex[i])) {
+        v->suspect++;
+        v->suspect_bytes += ex[i].len;
+      }
+      else if (ex[i].kind == BCF_EXTENT_HIT && verify_hit (v, &ex[i]) < 0) {
+        progress_end (&p);
+        return -1;
+      }
+      pos = ex[i].offset + ex[i].len;
+      progress_update (&p, pos);
+    }
+  }
+  progress_end (&p);
+  return 0;
+}
+
+/* The export as the engine's backing store: only its size and reads
+ * are used (a read-only open never writes it). */
+static int
+nbd_backing_pread (void *opaque, void *buf, uint32_t count, uint64_t offset)
+{
+  return nbd_pread (opaque, buf, count, offset, 0) == -1 ? -EIO : 0;
+}
+
+static int64_t
+nbd_backing_size (void *opaque)
+{
+  int64_t size = nbd_get_size (opaque);
+  return size < 0 ? -EIO : size;
+}
+
+static const struct bcf_backing_ops nbd_backing_ops = {
+  .pread = nbd_backing_pread,
+  .size = nbd_backing_size,
+};
+
+static int
+mode_verify (const struct options *opts, const struct device *dev,
+             int load_status)
+{
+  struct verify v = { .path = dev->path, .uri = opts->uri };
+  struct bcf_backing backing;
+  int64_t size;
+  int status = VERIFY_ERROR;
+
+  (void) load_status;
+  v.nbd = nbd_create ();
+  if (!v.nbd || nbd_connect_uri (v.nbd, opts->uri) == -1 ||
+      (size = nbd_get_size (v.nbd)) == -1) {
+    fprintf (stderr, "%s: %s: cannot read the export: %s\n", PROGRAM_NAME,
+             opts->uri, nbd_get_error ());
+    nbd_close (v.nbd);
+    return VERIFY_ERROR;
+  }
+  /* The cache's keys are at backing-store bytes: the export must be the
+   * store the filter ran on (for a bcache backing device, the whole
+   * device, superblock included: its data_offset is in the keys). */
+  backing.ops = &nbd_backing_ops;
+  backing.opaque = v.nbd;
+  if (!(v.c = engine_open_backing (opts, dev, &backing, &status))) {
+    nbd_close (v.nbd);
+    return VERIFY_ERROR;
+  }
+  status = VERIFY_ERROR;
+  v.cbuf = malloc (VERIFY_CHUNK);
+  v.ebuf = malloc (VERIFY_CHUNK);
+  if (!v.cbuf || !v.ebuf) {
+    device_error (dev->path, "out of memory");
+    goto out;
+  }
+  printf ("verify: clean extents of %s against %s, at export offsets "
+          "(the cache's keys: for a bcache backing device, its data_offset "
+          "is included)\n", dev->path, opts->uri);
+  if (load_marks (&v) < 0) {
+    device_error (dev->path, "out of memory");
+    goto out;
+  }
+  if (verify_all (&v, (uint64_t) size) < 0)
+    goto out;
+  if (v.suspect)
+    printf ("%" PRIu64 " clean extent%s (%" PRIu64 " bytes) in %zu "
+            "write-intent region%s marked at a crash skipped: the export "
+            "may be newer there, and the next open drops them\n",
+            v.suspect, v.suspect == 1 ? "" : "s", v.suspect_bytes,
+            v.nmarks, v.nmarks == 1 ? "" : "s");
+  printf ("%" PRIu64 " extent%s checked (%" PRIu64 " bytes), %" PRIu64
+          " differ%s, %" PRIu64 " dirty skipped (%" PRIu64 " bytes)\n",
+          v.extents, v.extents == 1 ? "" : "s", v.bytes, v.differ,
+          v.differ == 1 ? "s" : "", v.dirty, v.dirty_bytes);
+  if (finish_output () != EXIT_OK)
+    goto out;
+  status = v.differ ? VERIFY_DIFFER : VERIFY_SAME;
+  if (v.differ)
+    device_error (dev->path, "%" PRIu64 " clean extent%s differ%s from "
+                  "the export", v.differ, v.differ == 1 ? "" : "s",
+                  v.differ == 1 ? "s" : "");
+ out:
+  if (v.nbd)
+    nbd_close (v.nbd);
+  free (v.cbuf);
+  free (v.ebuf);
+  free (v.marks);
+  bcf_cache_close (v.c);
   return status;
 }
 
@@ -1848,6 +2209,7 @@ usage (FILE *fp)
   fprintf (fp,
            "Usage: %s [--json] [-f|--force] DEVICE\n"
            "       %s --journal|--btree|--buckets|--fsck [--json] [-v] DEVICE\n"
+           "       %s --verify [-v] DEVICE URI\n"
            "       %s --help | --version\n"
            "Decode and check a bcache cache device or file (read only).\n"
            "\n"
@@ -1856,6 +2218,9 @@ usage (FILE *fp)
            "      --btree    the btree nodes (-v: and every key)\n"
            "      --buckets  bucket usage and priorities (priority_stats)\n"
            "      --fsck     check the whole cache\n"
+           "      --verify   compare the cache's clean data with the export\n"
+           "                 at URI (nbd+unix:///?socket=...); exit 0 same,\n"
+           "                 1 different, 2 error\n"
            "Options:\n"
            "      --json     print one JSON object instead of text\n"
            "  -f, --force    print the superblock even if its checksum,\n"
@@ -1868,7 +2233,7 @@ usage (FILE *fp)
            "device, 4 truncated, 5 bad checksum, 6 unsupported version or\n"
            "features, 7 invalid superblock or corrupt metadata, 8 fsck found\n"
            "problems, 9 never registered.  See bcachefilter-show(1).\n",
-           PROGRAM_NAME, PROGRAM_NAME, PROGRAM_NAME);
+           PROGRAM_NAME, PROGRAM_NAME, PROGRAM_NAME, PROGRAM_NAME);
 }
 
 static int
@@ -1891,13 +2256,14 @@ static int
 parse_options (int argc, char *argv[], struct options *opts)
 {
   enum { JSON_OPTION = 256, JOURNAL_OPTION, BTREE_OPTION, BUCKETS_OPTION,
-         FSCK_OPTION };
+         FSCK_OPTION, VERIFY_OPTION };
   static const struct option long_options[] = {
     { "json",    no_argument, NULL, JSON_OPTION },
     { "journal", no_argument, NULL, JOURNAL_OPTION },
     { "btree",   no_argument, NULL, BTREE_OPTION },
     { "buckets", no_argument, NULL, BUCKETS_OPTION },
     { "fsck",    no_argument, NULL, FSCK_OPTION },
+    { "verify",  no_argument, NULL, VERIFY_OPTION },
     { "force",   no_argument, NULL, 'f' },
     { "verbose", no_argument, NULL, 'v' },
     { "help",    no_argument, NULL, 'h' },
@@ -1905,6 +2271,7 @@ parse_options (int argc, char *argv[], struct options *opts)
     { NULL, 0, NULL, 0 }
   };
   int c, r = -1;
+  bool verify;
 
   opts->mode = mode_super;
   while ((c = getopt_long (argc, argv, "fvhV", long_options, NULL)) != -1) {
@@ -1914,6 +2281,7 @@ parse_options (int argc, char *argv[], struct options *opts)
     case BTREE_OPTION: r = set_mode (opts, "--btree", mode_btree); break;
     case BUCKETS_OPTION: r = set_mode (opts, "--buckets", mode_buckets); break;
     case FSCK_OPTION: r = set_mode (opts, "--fsck", mode_fsck); break;
+    case VERIFY_OPTION: r = set_mode (opts, "--verify", mode_verify); break;
     case 'f': opts->force = true; break;
     case 'v': opts->verbose = true; break;
     case 'h': usage (stdout); return EXIT_OK;
@@ -1923,11 +2291,22 @@ parse_options (int argc, char *argv[], struct options *opts)
     if (r >= 0)
       return r;
   }
-  if (argc - optind != 1) {
+  verify = opts->mode == mode_verify;
+  if (argc - optind != 1 + verify) {
     fprintf (stderr, "%s: %s\n", PROGRAM_NAME,
-             optind == argc ? "missing DEVICE argument" : "too many arguments");
+             optind == argc ? "missing DEVICE argument" :
+             argc - optind < 1 + verify ? "--verify: missing URI argument "
+             "(the export, e.g. nbd+unix:///?socket=SOCKET)" :
+             "too many arguments");
     usage (stderr);
-    return EXIT_ERROR;
+    return verify ? VERIFY_ERROR : EXIT_ERROR;
+  }
+  if (verify)
+    opts->uri = argv[optind + 1];
+  if (opts->json && opts->mode == mode_verify) {
+    fprintf (stderr, "%s: --verify prints text only; drop --json\n",
+             PROGRAM_NAME);
+    return VERIFY_ERROR;
   }
   if (opts->force && opts->mode_option) {
     fprintf (stderr, "%s: --force applies only to the superblock display, "
@@ -1971,17 +2350,17 @@ main (int argc, char *argv[])
   atexit (bcf_release_memory);
   r = parse_options (argc, argv, &opts);
   if (r >= 0)
-    return r;
+    return r != EXIT_OK && opts.mode == mode_verify ? VERIFY_ERROR : r;
 
   r = open_device (&dev, opts.path);
   fd = dev.fd;
   if (r != EXIT_OK)
-    return r;
+    return opts.mode == mode_verify ? VERIFY_ERROR : r;
   note_writer (opts.path);
 
   r = load_super (&dev);
   if (r != EXIT_OK && !(opts.force && forceable (r)))
-    return r;
+    return opts.mode == mode_verify ? VERIFY_ERROR : r;
 
   return opts.mode (&opts, &dev, r);
 }

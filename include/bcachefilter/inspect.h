@@ -13,12 +13,23 @@
  *   and every entry from there to the newest must be there exactly once,
  *   with keys that decode and point inside the cache.  Blocks that carry
  *   the journal's magic but do not decode (a torn or corrupt write) are
- *   listed, and are not an error by themselves: an entry that never
- *   became durable was never acknowledged.
+ *   listed and judged by the seq their header claims (unchecked, as the
+ *   block does not decode; journal_judge, core/journal.c): newer than the newest
+ *   valid entry, or a seq that a valid entry also has (rewritten after a
+ *   crash), is a torn tail: the write in flight at a crash, never
+ *   acknowledged, not an error; older than every valid entry is stale
+ *   (a ring bucket's leftovers); between the oldest and the newest valid
+ *   entries with no valid copy is corruption: entries are written one at
+ *   a time in seq order, each durable before the next, so valid entries
+ *   on both sides of a bad one mean it was durable once.  The open logs
+ *   what it skipped (a warning), and bcf_cache_fsck reports it: the
+ *   torn tail as a note, corruption as a problem.
  * - the btree: bcf_btree_walk visits the nodes the open loaded, parents
  *   before children, under the btree lock.
  * - buckets: bcf_cache_buckets copies the allocator's view of every
  *   bucket (use, prio, gen) under its lock.
+ * - write-intent marks: bcf_cache_intent_marks lists the regions marked
+ *   in the tree, whose clean data a crash left suspect.
  * - bcf_cache_fsck: the checks an open does not already make.
  *
  * A cache opened read-only (bcf_cache_opts.readonly) is never written;
@@ -44,8 +55,16 @@ extern "C" {
 
 /* ---- The journal -------------------------------------------------------- */
 
+enum bcf_journal_bad {
+  BCF_JOURNAL_BAD_TORN,     /* a torn tail: never acknowledged */
+  BCF_JOURNAL_BAD_STALE,    /* older than every valid entry */
+  BCF_JOURNAL_BAD_CORRUPT,  /* valid entries older and newer: was durable */
+};
+
 struct bcf_journal_entry {
   bool bad;                 /* carries the magic but does not decode */
+  uint64_t claimed_seq;     /* bad: the seq its header claims (unchecked) */
+  enum bcf_journal_bad why; /* bad: the judgement, see above */
   unsigned index;           /* journal bucket: index in sb.d[] */
   uint64_t bucket;          /* ... and its bucket number */
   size_t offset;            /* bytes into the bucket */
@@ -80,6 +99,11 @@ struct bcf_journal_scan {
   size_t ndups;
   const struct bcf_journal_entry *bad_key;
   char msg[768];            /* "" when OK: what is wrong, in words */
+  /* The bad blocks, judged (whatever the status). */
+  size_t ntorn, nstale, ncorrupt;
+  char skipped[768];        /* "" if none torn or corrupt: what was skipped
+                               and what it means, in words (the open's
+                               warning, fsck's note or problem) */
 };
 
 /* Is an entry one that replay needs (newest's last_seq .. newest)? */
@@ -146,11 +170,25 @@ struct bcf_bucket {
 int bcf_cache_buckets (struct bcf_cache *c, struct bcf_bucket **out,
                        uint64_t *n);
 
+/* ---- Write-intent marks ------------------------------------------------------ */
+
+/* Write-intent regions (core/intent.c) are this big. */
+#define BCF_INTENT_REGION_BYTES (16ull << 20)
+
+/* The regions marked in the tree as the open found them (after a crash:
+ * the clean data in them is suspect, and the next read-write open drops
+ * it): up to max region start offsets (bytes of the export) from
+ * byte from on, in order, into out.  Returns how many. */
+unsigned bcf_cache_intent_marks (struct bcf_cache *c, uint64_t from,
+                                 uint64_t *out, unsigned max);
+
 /* ---- Consistency ------------------------------------------------------------- */
 
 /* Check what open does not already enforce (core/fsck.c): returns the
  * number of problems, listed one per line in report (len bytes,
- * truncated if need be), or -1 if out of memory.  Meant for an idle
+ * truncated if need be), or -1 if out of memory.  Lines starting with
+ * "note: " are not problems (not counted): things worth saying that are
+ * normal, such as a torn journal tail after a crash.  Meant for an idle
  * cache. */
 int bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len);
 

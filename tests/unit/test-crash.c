@@ -36,8 +36,10 @@
  * journal holds (test_invalidate_journal_choice, test_invalidate_
  * captured_crash); a fill survives a crash once the journal timer's
  * checkpoint ran (test_fill_survives_crash); and recovery tolerates a
- * torn newest journal
- * entry and refuses a gap in the middle of the journal.
+ * torn newest journal entry but says so (a warning, an fsck note), warns
+ * about a corrupt entry it does not need that has valid entries on both
+ * sides (an fsck problem: test_journal_corrupt_middle), and refuses a gap
+ * in the middle of the journal.
  */
 #include "config.h"
 
@@ -673,20 +675,105 @@ cmp_seq (const void *a, const void *b)
   return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
+/* Keeps the warnings an open logs. */
+struct warnings {
+  char text[4096];
+};
+
+static void
+keep_warnings (void *opaque, enum bcf_log_level level, const char *msg)
+{
+  struct warnings *w = opaque;
+  size_t used = strlen (w->text);
+
+  log_cb (NULL, level, msg);
+  if (level >= BCF_LOG_WARN)
+    snprintf (w->text + used, sizeof w->text - used, "%s\n", msg);
+}
+
 START_TEST (test_journal_torn_newest)
 {
   struct run r;
   struct jpos e[256];
+  struct warnings w = { "" };
+  char report[4096], want[64];
   size_t n;
 
   unclean_cache (&r);
   n = find_entries (r.path, e, 256);
   ck_assert_uint_ge (n, 3);
   qsort (e, n, sizeof *e, cmp_seq);
-  /* Tear the newest entry: it was never acknowledged, so it is dropped. */
+  /* Tear the newest entry: it was never acknowledged, so it is dropped,
+   * but not silently: the open warns, and fsck notes it (not a
+   * problem). */
   corrupt_byte (r.path, e[n - 1].off + 100);
+  r.opts.log = keep_warnings;
+  r.opts.log_opaque = &w;
   run_open (&r, BCF_FORMAT_NEVER, true);
-  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  snprintf (want, sizeof want, "claiming seq %" PRIu64, e[n - 1].seq);
+  ck_assert_msg (strstr (w.text, "1 torn journal entry skipped") &&
+                 strstr (w.text, want), "no warning for the torn entry "
+                 "%" PRIu64 "; the open logged: %s", e[n - 1].seq, w.text);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, report, sizeof report), 0);
+  ck_assert_msg (strncmp (report, "note: journal: 1 torn journal entry "
+                          "skipped", 42) == 0 && strstr (report, want),
+                 "fsck does not note the torn entry: %s", report);
+  run_free (&r);
+}
+END_TEST
+
+/* An entry older than what replay needs is damaged, with valid entries
+ * older and newer than it: it was durable once, so the journal is
+ * damaged.  The open still succeeds (replay does not need it) and warns;
+ * fsck reports a problem. */
+START_TEST (test_journal_corrupt_middle)
+{
+  struct run r;
+  struct jpos e[256];
+  struct bcf_journal_scan js;
+  struct warnings w = { "" };
+  char report[4096], err[256], want[64];
+  const struct bch_sb *sb;
+  uint64_t last_seq;
+  size_t n, victim = 0;
+
+  run_init (&r, "journal-mid.img", 16u << 20, 16);
+  rng_state = seed;
+  for (int i = 0; i < 6; i++) {
+    ck_assert (step_insert (&r, (uint64_t) i * 16, 4));
+    ck_assert (step_flush (&r));
+    if (i == 2)
+      ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  }
+  sb = bcf_cache_super (r.c);
+  ck_assert_int_eq (bcf_journal_inspect (r.path, sb, &js, err, sizeof err),
+                    0);
+  ck_assert_int_eq (js.status, BCF_JOURNAL_OK);
+  last_seq = js.newest->hdr.last_seq;
+  bcf_journal_scan_free (&js);
+  bcf_cache_test_crash (r.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  r.c = NULL;
+
+  n = find_entries (r.path, e, 256);
+  qsort (e, n, sizeof *e, cmp_seq);
+  /* The newest entry not needed, with an older valid one before it. */
+  for (size_t i = 1; i < n; i++)
+    if (e[i].seq < last_seq)
+      victim = i;
+  ck_assert_msg (victim > 0, "no unneeded entry between two valid ones "
+                 "(last_seq %" PRIu64 ", %zu entries)", last_seq, n);
+  corrupt_byte (r.path, e[victim].off + 100);
+  r.opts.log = keep_warnings;
+  r.opts.log_opaque = &w;
+  run_open (&r, BCF_FORMAT_NEVER, true);
+  snprintf (want, sizeof want, "claiming seq %" PRIu64, e[victim].seq);
+  ck_assert_msg (strstr (w.text, "1 corrupt journal entry skipped") &&
+                 strstr (w.text, want), "no warning for the corrupt entry "
+                 "%" PRIu64 "; the open logged: %s", e[victim].seq, w.text);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, report, sizeof report), 1);
+  ck_assert_msg (strncmp (report, "journal: 1 corrupt journal entry "
+                          "skipped", 39) == 0 && strstr (report, want),
+                 "fsck does not report the corrupt entry: %s", report);
   run_free (&r);
 }
 END_TEST
@@ -1239,6 +1326,7 @@ crash_suite (void)
   Suite *s = suite_create ("crash");
 
   add (s, "journal_torn_newest", test_journal_torn_newest);
+  add (s, "journal_corrupt_middle", test_journal_corrupt_middle);
   add (s, "journal_gap_refused", test_journal_gap_refused);
   add (s, "crash_inserts", test_crash_inserts);
   add (s, "crash_fills", test_crash_fills);
