@@ -42,6 +42,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 /* ---- The journal -------------------------------------------------------- */
 
 struct bcf_journal_entry {
@@ -153,6 +157,8 @@ int bcf_cache_buckets (struct bcf_cache *c, struct bcf_bucket **out,
  * truncated if need be), or -1 if out of memory.  Meant for an idle
  * cache. */
 int bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }
