@@ -28,6 +28,11 @@
 #     bcachefilter-pc  the same plus bcache-direct=false: the cache file goes
 #                   through the page cache.  Its own fresh cache file and its
 #                   own warm-up.  Compare it with filepc.
+#     bcachefilter-je  (not in the default set) bcachefilter with nbdkit
+#                   under LD_PRELOAD=$JEMALLOC (the filter cannot link
+#                   jemalloc: nbdkit dlopens it).  Next to bcachefilter it
+#                   shows what jemalloc does for the proxy's allocations;
+#                   skipped with a warning if $JEMALLOC cannot be preloaded.
 #     bcachefilter-none  the same with bcache-mode=none: the filter in the
 #                   path, caching nothing (every request passes through,
 #                   reads still look up the index).  Against proxy it shows
@@ -104,7 +109,8 @@
 #     randrw bcachefilter / remote        target >= 0.95 (total IOPS; the
 #                                         read IOPS are shown too)
 #     seq    bcachefilter / proxy         target >= 0.95
-#   and, without a target, what they decompose into: the pass-through
+#   and, without a target, what they decompose into: bcachefilter-je /
+#   bcachefilter for hits and mixed (jemalloc vs glibc's malloc); the pass-through
 #   proxy / remote (what any nbdkit proxy reaches on this host),
 #   qemuproxy / remote (what a proxy outside nbdkit reaches), and
 #   randrw bcachefilter / proxy and bcachefilter-none / proxy (what
@@ -146,8 +152,10 @@
 #   OUTDIR     where fio's JSON, the front ends' logs and summary.md go
 #              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
 #   CONFIGS    subset of: remote proxy qemuproxy cachefilter bcachefilter
-#              bcachefilter-wb bcachefilter-pc bcachefilter-none file filepc qemunbd
-#              (default: all)
+#              bcachefilter-wb bcachefilter-pc bcachefilter-je bcachefilter-none
+#              file filepc qemunbd (default: all but bcachefilter-je)
+#   JEMALLOC   the library bcachefilter-je preloads (default
+#              libjemalloc.so.2)
 #   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw writes (default:
 #              the first four, the first issue's)
 #   REPEAT     runs per (config, workload), the table shows the median
@@ -184,8 +192,9 @@ set -euo pipefail
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-wb bcachefilter-pc bcachefilter-none file filepc qemunbd"
-CONFIGS=${CONFIGS:-$ALL_CONFIGS}
+ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-wb bcachefilter-pc bcachefilter-je bcachefilter-none file filepc qemunbd"
+CONFIGS=${CONFIGS:-${ALL_CONFIGS/ bcachefilter-je/}}
+JEMALLOC=${JEMALLOC:-libjemalloc.so.2}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
 ZIPF=${ZIPF:-1.2}
@@ -231,8 +240,13 @@ drop_config() {                 # drop_config NAME WHY: skip it, with a warning
 if [[ ! -f $FILTER_SO ]]; then
     drop_config bcachefilter "$FILTER_SO does not exist"
     drop_config bcachefilter-pc "$FILTER_SO does not exist"
+    drop_config bcachefilter-je "$FILTER_SO does not exist"
     drop_config bcachefilter-none "$FILTER_SO does not exist"
     drop_config bcachefilter-wb "$FILTER_SO does not exist"
+fi
+# ld.so only warns (and runs the program) when it cannot preload
+if [[ -n $(LD_PRELOAD=$JEMALLOC true 2>&1) ]]; then
+    drop_config bcachefilter-je "LD_PRELOAD=$JEMALLOC does not work"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
 command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
@@ -319,9 +333,12 @@ start_server() {
 }
 
 # start_nbdkit NAME SOCKET ARGS...: nbdkit in the foreground, see start_server
+# (the caller may set NBDKIT_ENV, e.g. to (env LD_PRELOAD=...))
+NBDKIT_ENV=()
 start_nbdkit() {
     local name=$1 sock=$2; shift 2
-    start_server "$name" "$sock" nbdkit -f --exit-with-parent -U "$sock" "$@"
+    start_server "$name" "$sock" "${NBDKIT_ENV[@]}" \
+        nbdkit -f --exit-with-parent -U "$sock" "$@"
 }
 
 # start_qemu_nbd NAME SOCKET ARGS...: qemu-nbd (it stays in the foreground
@@ -431,10 +448,11 @@ start_front() {
     cachefilter)
         TMPDIR=$WORKDIR start_nbdkit "$cfg" "$FSOCK" --filter=cache \
             nbd socket="$RSOCK" cache=writeback cache-on-read=true ;;
-    bcachefilter|bcachefilter-pc|bcachefilter-none|bcachefilter-wb)
+    bcachefilter|bcachefilter-pc|bcachefilter-je|bcachefilter-none|bcachefilter-wb)
         # they never run at the same time: each gets a new file at $CACHE
         if [[ $fresh == 1 ]]; then rm -f "$CACHE"; fi
-        local ctl=() pc=()
+        local ctl=() pc=() NBDKIT_ENV=()
+        if [[ $cfg == bcachefilter-je ]]; then NBDKIT_ENV=(env LD_PRELOAD="$JEMALLOC"); fi
         if [[ -x $BCTL ]]; then ctl=(bcache-ctl="$CTLSOCK"); fi
         if [[ $cfg == bcachefilter-pc ]]; then pc=(bcache-direct=false); fi
         if [[ $cfg == bcachefilter-none ]]; then pc=(bcache-mode=none); fi
@@ -459,7 +477,7 @@ stop_front() {
     FRONT_PID=
 }
 
-is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-none || $1 == bcachefilter-wb ]]; }
+is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-je || $1 == bcachefilter-none || $1 == bcachefilter-wb ]]; }
 
 bctl_stats() {                  # bctl_stats FILE: save bcachefilter's stats
     [[ -x $BCTL && -S $CTLSOCK ]] || return 0
@@ -551,7 +569,7 @@ EOF
 # One remote serves the whole run: it holds no state that matters here.
 T0=$SECONDS
 REMOTE_PID=
-if [[ " $CONFIGS " =~ \ (remote|proxy|qemuproxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-none)\  ]]; then
+if [[ " $CONFIGS " =~ \ (remote|proxy|qemuproxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-je|bcachefilter-none)\  ]]; then
     say "remote: nbdkit memory plugin behind the delay filter, filling it"
     start_remote
 fi
@@ -687,7 +705,10 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            ("writes", "wiops", "bcachefilter-wb", "proxy",   3.00, "writeback: 4k random writes, a flush every 32, vs the pass-through proxy"),
            ("writes", "wiops", "bcachefilter-wb", "cachefilter", 1.00, "writeback: 4k random writes, a flush every 32, vs nbdkit's cache filter"),
            ("writes", "wiops", "bcachefilter",    "proxy",   None, "writethrough: 4k random writes, a flush every 32, vs the pass-through proxy"),
-           ("mixed",  "iops",  "bcachefilter-wb", "bcachefilter", 1.50, "zipf 70/30 cold: writeback vs writethrough, total IOPS")]
+           ("mixed",  "iops",  "bcachefilter-wb", "bcachefilter", 1.50, "zipf 70/30 cold: writeback vs writethrough, total IOPS"),
+           # no target: nbdkit under LD_PRELOAD=jemalloc vs glibc's malloc
+           ("hits",   "riops", "bcachefilter-je", "bcachefilter", None, "4k hit IOPS: nbdkit under jemalloc vs glibc's malloc"),
+           ("mixed",  "iops",  "bcachefilter-je", "bcachefilter", None, "zipf 70/30 cold: total IOPS, jemalloc vs glibc's malloc")]
 print("\n| ratio | target | bcachefilter | nbdkit cache filter |")
 print("|---|---:|---:|---:|")
 for w, k, bc, base, tgt, what in targets:
@@ -695,7 +716,9 @@ for w, k, bc, base, tgt, what in targets:
     cells = []
     for c in (bc, "cachefilter"):
         x = med(c, w, k)
-        if x is None or not b: cells.append("–")
+        # against another bcachefilter config the cache filter has no cell
+        if x is None or not b or (c != bc and base.startswith("bcachefilter")):
+            cells.append("–")
         else:
             r = x / b
             mark = (" ✔" if r >= tgt else " ✘") if c == bc and tgt else ""

@@ -19,6 +19,8 @@
  *   (core/bdev.c holds what a bcache backing device as the export needs;
  *   here .get_size and block status show only its data region)
  *   render.c     the control socket's text and JSON
+ *   allocator.c  jemalloc's figures for them, when nbdkit runs under
+ *                LD_PRELOAD=libjemalloc.so.2
  *   ctl.c        the control socket's server
  *   this file    the per-connection callbacks: each NBD request mapped
  *                onto the request path (core/request.c, which holds the

@@ -8,6 +8,7 @@
 
 #include "bcachefilter/format.h"
 #include "bcachefilter/stats.h"
+#include "allocator.h"
 #include "render.h"
 
 static void
@@ -75,6 +76,26 @@ print_views (FILE *fp, bool json, struct bcf_req *req)
   }
   if (json)
     fprintf (fp, "}, ");
+}
+
+/* jemalloc's own figures when it is the allocator (allocator.h); nothing
+ * otherwise. */
+static void
+print_allocator (FILE *fp, bool json)
+{
+  struct allocator_stats a;
+  bool first = false;
+
+  if (!allocator_stats (&a))
+    return;
+  if (json)
+    fprintf (fp, ", \"allocator\": {\"name\": \"%s\"", a.name);
+  else
+    fprintf (fp, "[allocator]\n%-28s %s\n", "allocator", a.name);
+  print_u64 (fp, json, "allocated", a.allocated, &first);
+  print_u64 (fp, json, "resident", a.resident, &first);
+  if (json)
+    fprintf (fp, "}");
 }
 
 void
@@ -198,7 +219,10 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
              &first);
   print_u64 (fp, json, "writeback_rate_at_max", rs.wb_at_max, &first);
   if (json)
-    fprintf (fp, "}, \"device_errors\": %" PRIu64 "}\n", rs.device_errors);
+    fprintf (fp, "}, \"device_errors\": %" PRIu64, rs.device_errors);
+  print_allocator (fp, json);
+  if (json)
+    fprintf (fp, "}\n");
 }
 
 /* A JSON string literal (paths may hold anything). */

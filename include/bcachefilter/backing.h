@@ -25,6 +25,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 struct bcf_backing_ops {
   int (*pread) (void *opaque, void *buf, uint32_t count, uint64_t offset);
   int (*pwrite) (void *opaque, const void *buf, uint32_t count,
@@ -40,6 +44,8 @@ struct bcf_backing {
   const struct bcf_backing_ops *ops;
   void *opaque;
 };
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

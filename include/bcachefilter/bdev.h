@@ -52,6 +52,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 struct bcf_bdev;
 
 /* What a backing superblock says about one cache set. */
@@ -123,6 +127,8 @@ int bcf_bdev_attach (struct bcf_bdev *bd, const struct bcf_backing *b,
  * in memory is unchanged) with the reason in err. */
 int bcf_bdev_set_state (struct bcf_bdev *bd, const struct bcf_backing *b,
                         enum bch_bdev_state state, char *err, size_t errlen);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -35,6 +35,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 struct bcf_cache;
 struct bcf_claim;
 struct bcf_bdev;
@@ -388,6 +392,8 @@ struct bcf_cache_stats {
 };
 
 void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -36,6 +36,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 struct bcf_claim;
 
 /* Claim the cache device at path for writing.  If path does not exist
@@ -61,6 +65,8 @@ bool bcf_claim_covers_fd (const struct bcf_claim *cl, int fd);
  * (the path cannot be opened) with the reason in holder.  Takes no
  * claim and changes nothing. */
 int bcf_claim_probe (const char *path, char *holder, size_t holderlen);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -32,6 +32,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 /* ------------------------------------------------------------------------
  * Errors
  * ------------------------------------------------------------------------ */
@@ -706,6 +710,8 @@ int bch_uuid_parse (const char *s, uint8_t uuid[16]);
 bool bch_is_zero (const void *p, size_t n);
 static inline bool bch_uuid_is_zero (const uint8_t uuid[16])
 { return bch_is_zero (uuid, 16); }
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

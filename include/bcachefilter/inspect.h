@@ -53,6 +53,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 /* ---- The journal -------------------------------------------------------- */
 
 enum bcf_journal_bad {
@@ -191,6 +195,8 @@ unsigned bcf_cache_intent_marks (struct bcf_cache *c, uint64_t from,
  * normal, such as a torn journal tail after a crash.  Meant for an idle
  * cache. */
 int bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -45,6 +45,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 enum bcf_device_kind {
   BCF_DEVICE_BLANK,
   BCF_DEVICE_MAKE_BCACHE,
@@ -83,6 +87,8 @@ struct bcf_probe_opts {
 int bcf_device_probe (const char *path, const struct bcf_probe_opts *opts,
                       struct bcf_device_verdict *v, char *err,
                       size_t errlen);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

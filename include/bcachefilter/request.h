@@ -24,6 +24,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 #define BCF_ERROR_HALFLIFE_DEFAULT 1000000
 #define BCF_ERROR_HALFLIFE_NEVER UINT64_MAX
 
@@ -188,6 +192,8 @@ int bcf_req_writeback (struct bcf_req *r, const struct bcf_backing *b);
 void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
 /* Tests only: disable the ordering of overlapping writes. */
 void bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,10 @@
 extern "C" {
 #endif
 
+/* What is declared here is libbcachecore's API: exported from the
+ * shared library, which hides everything else (core/Makefile.am). */
+#pragma GCC visibility push(default)
+
 enum bcf_stat_counter {
   BCF_STAT_HITS,              /* reads served wholly from the cache */
   BCF_STAT_MISSES,            /* reads that needed the backing store */
@@ -52,6 +56,8 @@ const char *bcf_stat_view_name (enum bcf_stat_view v);
 /* Tests only: the clock (monotonic nanoseconds); NULL restores the real
  * one. */
 void bcf_stats_test_clock (struct bcf_stats *s, uint64_t (*now_ns) (void));
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -804,14 +804,10 @@ bdev_suite (void)
 int
 main (void)
 {
-  SRunner *sr;
-  int failed;
+  int r;
 
   test_tmpdir (tmpdir, sizeof tmpdir, "bcf-bdev");
-  sr = srunner_create (bdev_suite ());
-  srunner_run_all (sr, CK_NORMAL);
-  failed = srunner_ntests_failed (sr);
-  srunner_free (sr);
+  r = test_main (bdev_suite ());
   rmdir (tmpdir);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return r;
 }
