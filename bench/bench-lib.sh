@@ -1,4 +1,5 @@
 # bench-lib.sh: what the benchmark scripts share (sourced, not run).
+# shellcheck shell=bash
 #
 # The caller sets BENCH_NAME (for messages), OUTDIR (servers' logs and
 # commands.txt go there) and PIDS=() (every process it started and has not

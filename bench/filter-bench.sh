@@ -174,6 +174,7 @@
 
 set -euo pipefail
 
+# shellcheck disable=SC2034  # used by bench-lib.sh
 BENCH_NAME=filter-bench
 # shellcheck source=bench-lib.sh
 source "$(dirname "$0")/bench-lib.sh"   # die, say, stop_pid, start_server, ...

@@ -63,6 +63,7 @@
 
 set -euo pipefail
 
+# shellcheck disable=SC2034  # used by bench-lib.sh
 BENCH_NAME=gc-stall
 # shellcheck source=bench-lib.sh
 source "$(dirname "$0")/bench-lib.sh"
