@@ -438,7 +438,6 @@ struct gc_state {
    * bcache's 10 and 128; tests lower them to see the rule on a small
    * tree. */
   unsigned nodes_min, idle_div;
-  uint64_t slice_max_ns;      /* busy slices end after this hold (0: no) */
   /* Test hook: called between slices with the pass's progress. */
   void (*slice_hook) (struct bcf_cache *c, unsigned slice, void *opaque);
   void *slice_hook_opaque;

@@ -18,10 +18,6 @@
  *   foreground requests are in flight, max(10, nodes / 128) when idle;
  *   between slices it sleeps 10 ms when someone waits for a bucket, else
  *   100 ms (bcache 6.19).  bcf_gc_run (tests, tools) does not sleep.
- *   While requests are in flight a slice also ends once it has held the
- *   lock for 1 ms (checked between nodes; not in bcache): at ~4000 keys
- *   a node, 10 nodes held the lock for 33-65 ms on a loaded 2-CPU host
- *   (docs/BENCHMARKS.md, gc-stall), and lookups waited as long.
  *   "In flight" is c->inflight, which request.c's entry points count
  *   (bcf_inflight); a request that arrives during a slice is felt from
  *   the next one.  Each slice's hold of the lock is timed
@@ -63,7 +59,6 @@
 
 #define GC_NODES_MIN     10
 #define GC_IDLE_DIV      128
-#define GC_SLICE_MAX_NS  1000000ull     /* 1 ms, while requests wait */
 #define GC_SLEEP_WAIT_MS 10
 #define GC_SLEEP_MS      100
 
@@ -85,7 +80,6 @@ gc_init (struct bcf_cache *c)
   memset (g, 0, sizeof *g);
   g->nodes_min = GC_NODES_MIN;
   g->idle_div = GC_IDLE_DIV;
-  g->slice_max_ns = GC_SLICE_MAX_NS;
   pthread_mutex_init (&g->lock, NULL);
   pthread_cond_init (&g->wake, NULL);
   return 0;
@@ -355,11 +349,6 @@ gc_pass (struct bcf_cache *c, bool pace)
         inode = ckey_inode (&n->key);
         pos = ckey_end (&n->key);
       }
-      /* Busy: also end the slice once it has held the lock for
-       * slice_max_ns (nodes vary a lot in keys; lookups are waiting). */
-      if (busy && c->gc.slice_max_ns &&
-          bcf_now_ns () - t_lock >= c->gc.slice_max_ns)
-        break;
     }
     bcf_time_record (c, &c->stats.gc_slice_locked, bcf_now_ns () - t_lock);
     pthread_rwlock_unlock (&c->tree_lock);
