@@ -100,11 +100,14 @@ struct open_bucket {
 #define NR_OPEN_BUCKETS 4
 #define BCF_INFLIGHT_SHARDS 16      /* shards of bcf_cache.inflight */
 
-/* One shard of the in-flight count (bcf_inflight_enter, gc.c). */
+/* One shard of the in-flight count (bcf_inflight_enter, gc.c), padded to
+ * a cache line.  Not declared aligned: struct bcf_cache comes from
+ * calloc, which promises 16 bytes, so a line may hold parts of two
+ * shards, never of three. */
 struct bcf_inflight {
   atomic_int_fast64_t n;
   char pad[64 - sizeof (atomic_int_fast64_t)];
-} __attribute__ ((aligned (64)));
+};
 
 struct alloc_state {
   pthread_mutex_t lock;
@@ -536,9 +539,9 @@ struct bcf_cache {
                                          that committed */
   /* Foreground requests in the engine now, counted by request.c's entry
    * points (bcf_req_read, _write, _trim, ...) and read by GC's slice rule
-   * (gc.c).  Sharded by thread, a cache line each, so that requests on
-   * different threads do not bounce one line; a request leaves the shard
-   * it entered.  bcf_inflight sums them. */
+   * (gc.c).  Sharded by thread, a cache line's worth each, so that
+   * requests on different threads do not all bounce one line; a request
+   * leaves the shard it entered.  bcf_inflight sums them. */
   struct bcf_inflight inflight[BCF_INFLIGHT_SHARDS];
 
   /* Test hook (NULL in production): called by bcf_read_hit after the
