@@ -189,6 +189,11 @@
 
 set -euo pipefail
 
+# shellcheck disable=SC2034  # used by bench-lib.sh
+BENCH_NAME=filter-bench
+# shellcheck source=bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"   # die, say, stop_pid, start_server, ...
+
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
@@ -206,9 +211,6 @@ PERF_OPTS=${PERF_OPTS:--g}
 KEEP=${KEEP:-0}
 IODEPTH=${IODEPTH:-16}
 [[ $IODEPTH =~ ^[1-9][0-9]*$ ]] || { echo "filter-bench: bad IODEPTH=$IODEPTH" >&2; exit 1; }
-
-die() { echo "filter-bench: $*" >&2; exit 1; }
-say() { echo "[$(date +%T)] $*" >&2; }
 
 for t in nbdkit fio nbdinfo nbdcopy python3; do
     command -v "$t" >/dev/null || die "$t is not installed"
@@ -270,24 +272,6 @@ DATA=$WORKDIR/data.img          # random data: remote's content, file ceiling
 CACHE=$WORKDIR/cache.img        # bcachefilter's cache
 PIDS=()                         # every process we started and not yet reaped
 
-stop_pid() {                    # stop_pid PID [timeout_s]: TERM, wait, KILL
-    local pid=$1 t=${2:-30} i
-    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
-    kill -TERM "$pid" 2>/dev/null || true
-    for (( i = 0; i < t * 10; i++ )); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
-        say "WARNING: pid $pid did not exit within ${t}s of SIGTERM; killing it"
-        kill -KILL "$pid" 2>/dev/null || true
-    fi
-    wait "$pid" 2>/dev/null || true
-    local p keep=()
-    for p in "${PIDS[@]}"; do [[ $p == "$pid" ]] || keep+=("$p"); done
-    PIDS=("${keep[@]}")
-}
-
 cleanup() {
     local rc=$? i
     trap - EXIT INT TERM HUP
@@ -306,49 +290,6 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
-
-uri() { echo "nbd+unix:///?socket=$1"; }
-
-# start_server NAME SOCKET COMMAND...: start an NBD server that stays in the
-# foreground (as our child) and listens on SOCKET, wait until it answers;
-# its pid is left in SERVER_PID (and in PIDS, so that it is stopped at exit).
-start_server() {
-    local name=$1 sock=$2 i; shift 2
-    rm -f "$sock"
-    echo "$*" >>"$OUTDIR/commands.txt"
-    "$@" >>"$OUTDIR/$name.log" 2>&1 &
-    SERVER_PID=$!
-    PIDS+=("$SERVER_PID")
-    for (( i = 0; i < 1200; i++ )); do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-            tail -20 "$OUTDIR/$name.log" >&2
-            die "$name ($1) exited at startup; log: $OUTDIR/$name.log"
-        fi
-        if [[ -S $sock ]] && nbdinfo --size "$(uri "$sock")" >/dev/null 2>&1; then
-            return 0
-        fi
-        sleep 0.1
-    done
-    die "$name ($1) not ready after 120 s; log: $OUTDIR/$name.log"
-}
-
-# start_nbdkit NAME SOCKET ARGS...: nbdkit in the foreground, see start_server
-# (the caller may set NBDKIT_ENV, e.g. to (env LD_PRELOAD=...))
-NBDKIT_ENV=()
-start_nbdkit() {
-    local name=$1 sock=$2; shift 2
-    start_server "$name" "$sock" "${NBDKIT_ENV[@]}" \
-        nbdkit -f --exit-with-parent -U "$sock" "$@"
-}
-
-# start_qemu_nbd NAME SOCKET ARGS...: qemu-nbd (it stays in the foreground
-# without --fork).  It has no --exit-with-parent: setpriv --pdeathsig does
-# that job.  SOCKET must be absolute.
-start_qemu_nbd() {
-    local name=$1 sock=$2 pre=(); shift 2
-    if command -v setpriv >/dev/null; then pre=(setpriv --pdeathsig TERM); fi
-    start_server "$name" "$sock" "${pre[@]}" qemu-nbd -k "$sock" "$@"
-}
 
 # ---- machine --------------------------------------------------------------
 FSTYPE=$(findmnt -n -o FSTYPE -T "$WORKDIR" 2>/dev/null || stat -f -c %T "$WORKDIR")

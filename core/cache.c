@@ -316,12 +316,19 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->gc_slices = atomic_load (&c->stats.gc_slices);
   st->gc_nodes = atomic_load (&c->stats.gc_nodes);
   st->gc_coalesced = atomic_load (&c->stats.gc_coalesced);
+  st->gc_slice_nodes_last = atomic_load (&c->stats.gc_slice_nodes_last);
+  st->gc_slice_nodes_max = atomic_load (&c->stats.gc_slice_nodes_max);
+  st->gc_slices_busy = atomic_load (&c->stats.gc_slices_busy);
+  st->requests_in_flight = bcf_inflight (c);
   pthread_mutex_lock (&c->stats.time_lock);
   st->gc = c->stats.gc;
   st->btree_split = c->stats.btree_split;
   st->journal_write = c->stats.journal_write;
   st->alloc_wait = c->stats.alloc_wait;
   st->checkpoint = c->stats.checkpoint;
+  st->gc_slice_locked = c->stats.gc_slice_locked;
+  st->ckpt_locked = c->stats.ckpt_locked;
+  st->lookup_lock_wait = c->stats.lookup_lock_wait;
   pthread_mutex_unlock (&c->stats.time_lock);
 }
 

@@ -26,7 +26,9 @@
  *                           write metadata and then a journal entry that
  *                           points at it); held across I/O, taken before
  *                           any of the above.
- *   stats                   atomics.
+ *   stats                   atomics; the time stats under
+ *                           stats.time_lock (a leaf lock).
+ *   inflight                sharded atomics (request.c counts, GC reads).
  */
 #ifndef BCACHEFILTER_ENGINE_H
 #define BCACHEFILTER_ENGINE_H
@@ -96,6 +98,16 @@ struct open_bucket {
 };
 
 #define NR_OPEN_BUCKETS 4
+#define BCF_INFLIGHT_SHARDS 16      /* shards of bcf_cache.inflight */
+
+/* One shard of the in-flight count (bcf_inflight_enter, gc.c), padded to
+ * a cache line.  Not declared aligned: struct bcf_cache comes from
+ * calloc, which promises 16 bytes, so a line may hold parts of two
+ * shards, never of three. */
+struct bcf_inflight {
+  atomic_int_fast64_t n;
+  char pad[64 - sizeof (atomic_int_fast64_t)];
+};
 
 struct alloc_state {
   pthread_mutex_t lock;
@@ -433,6 +445,11 @@ struct gc_state {
   bool requested;
   bool mark_valid;
   uint64_t pos_inode, pos_sector;   /* resume position */
+  /* The slice rule (gc.c): nodes_min per slice while foreground requests
+   * are in flight, else max(nodes_min, nodes / idle_div).  gc_init sets
+   * bcache's 10 and 128; tests lower them to see the rule on a small
+   * tree. */
+  unsigned nodes_min, idle_div;
   /* Test hook: called between slices with the pass's progress. */
   void (*slice_hook) (struct bcf_cache *c, unsigned slice, void *opaque);
   void *slice_hook_opaque;
@@ -529,7 +546,12 @@ struct bcf_cache {
   atomic_bool lost_logged;        /* bcf_cache_check_device said so */
   atomic_uint_fast64_t ckpt_done_ns;  /* bcf_now_ns of the last checkpoint
                                          that committed */
-  atomic_uint_fast64_t inflight;  /* foreground requests in flight (GC) */
+  /* Foreground requests in the engine now, counted by request.c's entry
+   * points (bcf_req_read, _write, _trim, ...) and read by GC's slice rule
+   * (gc.c).  Sharded by thread, a cache line's worth each, so that
+   * requests on different threads do not all bounce one line; a request
+   * leaves the shard it entered.  bcf_inflight sums them. */
+  struct bcf_inflight inflight[BCF_INFLIGHT_SHARDS];
 
   /* Test hook (NULL in production): called by bcf_read_hit after the
    * device read and before the gen recheck, with no lock held, so a test
@@ -564,6 +586,11 @@ struct bcf_cache {
     /* Each hold of tree_lock for writing by a checkpoint (the snapshot,
      * the release of dead buckets): how long it blocked lookups. */
     struct bcf_time_stat ckpt_locked;
+    /* Each hold of tree_lock for writing by a GC slice; the wait of a
+     * lookup that found tree_lock taken. */
+    struct bcf_time_stat gc_slice_locked, lookup_lock_wait;
+    atomic_uint_fast64_t gc_slice_nodes_last, gc_slice_nodes_max;
+    atomic_uint_fast64_t gc_slices_busy;
     pthread_mutex_t time_lock;
   } stats;
 };
@@ -576,6 +603,18 @@ static inline void
 bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t, uint64_t ns)
 {
   bcf_time_stat_add (t, &c->stats.time_lock, ns);
+}
+
+/* Foreground requests in flight now (the sum of the shards; a snapshot,
+ * good enough for a heuristic). */
+static inline uint64_t
+bcf_inflight (struct bcf_cache *c)
+{
+  int_fast64_t n = 0;
+
+  for (unsigned i = 0; i < BCF_INFLIGHT_SHARDS; i++)
+    n += atomic_load_explicit (&c->inflight[i].n, memory_order_relaxed);
+  return n > 0 ? (uint64_t) n : 0;
 }
 
 /* Pointer helpers. */

@@ -18,6 +18,11 @@
  *   foreground requests are in flight, max(10, nodes / 128) when idle;
  *   between slices it sleeps 10 ms when someone waits for a bucket, else
  *   100 ms (bcache 6.19).  bcf_gc_run (tests, tools) does not sleep.
+ *   "In flight" is c->inflight, which request.c's entry points count
+ *   (bcf_inflight); a request that arrives during a slice is felt from
+ *   the next one.  Each slice's hold of the lock is timed
+ *   (gc_slice_locked) and its size recorded (gc_slice_nodes_last/_max,
+ *   gc_slices_busy), so the cost of a slice can be seen from ctl stats.
  *
  * What a pass computes per bucket: the mark (free / clean / dirty /
  * metadata), sectors used, and the oldest gen still referenced (last_gc,
@@ -37,17 +42,23 @@
  *
  * Locking: gc.lock protects the request flag and the shadow arrays; a
  * slice holds tree_lock for writing; marks are applied under alloc.lock.
+ * The in-flight count (bcf_inflight_enter / _leave, here because the
+ * slice rule is its reader) is relaxed atomics, one shard per thread;
+ * the slice stats are atomics, the lock-hold times go under
+ * stats.time_lock.
  */
 #include "config.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engine.h"
 
 #define GC_NODES_MIN     10
+#define GC_IDLE_DIV      128
 #define GC_SLEEP_WAIT_MS 10
 #define GC_SLEEP_MS      100
 
@@ -67,6 +78,8 @@ gc_init (struct bcf_cache *c)
   struct gc_state *g = &c->gc;
 
   memset (g, 0, sizeof *g);
+  g->nodes_min = GC_NODES_MIN;
+  g->idle_div = GC_IDLE_DIV;
   pthread_mutex_init (&g->lock, NULL);
   pthread_cond_init (&g->wake, NULL);
   return 0;
@@ -225,6 +238,59 @@ pass_finish (struct bcf_cache *c, struct gc_pass *p)
   pthread_mutex_unlock (&a->lock);
 }
 
+/* The in-flight count.  A thread keeps one shard, chosen round robin the
+ * first time it enters; a request leaves the shard it entered. */
+static atomic_uint next_shard;
+static __thread unsigned my_shard = UINT_MAX;
+
+struct bcf_inflight *
+bcf_inflight_enter (struct bcf_cache *c)
+{
+  struct bcf_inflight *t;
+
+  if (my_shard == UINT_MAX)
+    my_shard = atomic_fetch_add (&next_shard, 1) % BCF_INFLIGHT_SHARDS;
+  t = &c->inflight[my_shard];
+  atomic_fetch_add_explicit (&t->n, 1, memory_order_relaxed);
+  return t;
+}
+
+void
+bcf_inflight_leave (struct bcf_inflight *t)
+{
+  atomic_fetch_sub_explicit (&t->n, 1, memory_order_relaxed);
+}
+
+/* The slice rule: how many nodes the next slice may walk.  *busy: cut to
+ * the minimum because foreground requests are in flight (request.c
+ * counts them into c->inflight). */
+static unsigned
+slice_budget (struct bcf_cache *c, bool *busy)
+{
+  const struct gc_state *g = &c->gc;
+  uint64_t idle = g->idle_div ? c->tree.nnodes / g->idle_div : 0;
+
+  *busy = bcf_inflight (c) > 0;
+  if (*busy || idle < g->nodes_min)
+    return g->nodes_min;
+  return idle > UINT_MAX ? UINT_MAX : (unsigned) idle;
+}
+
+/* Record what a slice walked. */
+static void
+note_slice (struct bcf_cache *c, uint64_t nodes, bool busy)
+{
+  uint64_t max = atomic_load (&c->stats.gc_slice_nodes_max);
+
+  atomic_store (&c->stats.gc_slice_nodes_last, nodes);
+  while (nodes > max &&
+         !atomic_compare_exchange_weak (&c->stats.gc_slice_nodes_max, &max,
+                                        nodes))
+    ;
+  if (busy)
+    atomic_fetch_add (&c->stats.gc_slices_busy, 1);
+}
+
 /* Run a pass.  With pace, sleep between slices as described above. */
 static int
 gc_pass (struct bcf_cache *c, bool pace)
@@ -245,10 +311,12 @@ gc_pass (struct bcf_cache *c, bool pace)
   while (!done && r == 0) {
     unsigned budget;
 
+    uint64_t nodes0 = p.nodes, t_lock;
+    bool busy;
+
     pthread_rwlock_wrlock (&c->tree_lock);
-    budget = atomic_load (&c->inflight) > 0 ? GC_NODES_MIN :
-             c->tree.nnodes / 128 > GC_NODES_MIN ? (unsigned) (c->tree.nnodes / 128)
-             : GC_NODES_MIN;
+    t_lock = bcf_now_ns ();
+    budget = slice_budget (c, &busy);
     for (unsigned k = 0; k < budget && !done && r == 0; k++) {
       struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
       if (!n) {
@@ -258,9 +326,12 @@ gc_pass (struct bcf_cache *c, bool pace)
       if (n->evicted) {
         /* Marking needs the keys: read the leaf back (no lock held). */
         struct ckey need = n->key;
+        bcf_time_record (c, &c->stats.gc_slice_locked,
+                         bcf_now_ns () - t_lock);
         pthread_rwlock_unlock (&c->tree_lock);
         r = btree_load_evicted (c, &need);
         pthread_rwlock_wrlock (&c->tree_lock);
+        t_lock = bcf_now_ns ();
         continue;
       }
       /* Sparse neighbours become one node before marking, so each key
@@ -282,8 +353,10 @@ gc_pass (struct bcf_cache *c, bool pace)
         pos = ckey_end (&n->key);
       }
     }
+    bcf_time_record (c, &c->stats.gc_slice_locked, bcf_now_ns () - t_lock);
     pthread_rwlock_unlock (&c->tree_lock);
     atomic_fetch_add (&c->stats.gc_slices, 1);
+    note_slice (c, p.nodes - nodes0, busy);
     if (c->gc.slice_hook)
       c->gc.slice_hook (c, slice, c->gc.slice_hook_opaque);
     slice++;

@@ -162,8 +162,16 @@
  * writes the journal, so what was cached before a flush is still cached
  * after a crash.
  *
+ * In flight: every entry point a client request comes through (read,
+ * prefetch, write, trim, zero, flush, has_dirty) is counted in the
+ * engine's c->inflight from its first line to its return (IN_FLIGHT, a
+ * cleanup attribute, so no return path leaks a count), which is what GC's
+ * slice rule reads (core/gc.c).  Queued fills and writeback are not
+ * counted: nobody waits for them.
+ *
  * Locking: fill_lock guards the fill queue (a FIFO of copies, bounded in
- * bytes) and is never held across I/O; everything else is atomics, and
+ * bytes) and is never held across I/O; everything else is atomics (the
+ * in-flight count: one shard per thread, relaxed), and
  * the engine, the tracker, the stream table and the counters are each
  * safe for many threads.
  */
@@ -259,6 +267,23 @@ struct bcf_req {
 struct span {
   uint64_t start, end;          /* whole blocks, clamped to cache_end */
 };
+
+/* ---- foreground requests in flight --------------------------------------------- */
+
+/* Every entry point that serves the client counts itself into
+ * c->inflight for its whole duration (GC's slice rule reads it):
+ * IN_FLIGHT (r) at the top of the function, and the cleanup attribute
+ * takes it out again on every return. */
+static inline void
+inflight_leave (struct bcf_inflight **t)
+{
+  bcf_inflight_leave (*t);
+}
+
+#define IN_FLIGHT(r)                                                    \
+  struct bcf_inflight *in_flight_                                       \
+    __attribute__ ((cleanup (inflight_leave), unused)) =               \
+    bcf_inflight_enter ((r)->c)
 
 int
 bcf_cache_mode_parse (const char *name)
@@ -1150,6 +1175,7 @@ int
 bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
               void *buf, uint32_t count, uint64_t offset)
 {
+  IN_FLIGHT (r);
   bool bypass;
 
   offset += r->offset;
@@ -1163,6 +1189,7 @@ int
 bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
                   uint32_t count, uint64_t offset)
 {
+  IN_FLIGHT (r);
   uint64_t end;
   uint8_t *buf;
   int rc = 0;
@@ -1408,6 +1435,7 @@ int
 bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
 {
+  IN_FLIGHT (r);
   struct span s, in;
   struct bcf_bypass_token tok;
   struct bcf_write w;
@@ -1594,6 +1622,7 @@ int
 bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool fua)
 {
+  IN_FLIGHT (r);
   int rc = change_range (r, b, count, offset + r->offset, call_trim, NULL);
 
   /* The backing trim has no FUA of its own in the ops: flush. */
@@ -1606,6 +1635,7 @@ int
 bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool may_trim, bool fua)
 {
+  IN_FLIGHT (r);
   struct zero_args z = { .may_trim = may_trim };
   int rc = change_range (r, b, count, offset + r->offset, call_zero, &z);
 
@@ -1617,6 +1647,7 @@ bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
 int
 bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
+  IN_FLIGHT (r);
   int rc = b->ops->flush (b->opaque);
 
   atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
@@ -1639,6 +1670,7 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 int
 bcf_req_has_dirty (struct bcf_req *r, uint32_t count, uint64_t offset)
 {
+  IN_FLIGHT (r);
   return has_dirty (r, span_of (r, offset + r->offset, count));
 }
 

@@ -51,7 +51,23 @@ bcf_time_stat_add (struct bcf_time_stat *t, pthread_mutex_t *lock,
   t->last_ns = ns;
   if (ns > t->max_ns)
     t->max_ns = ns;
+  t->hist[bcf_time_hist_bucket (ns)]++;
   pthread_mutex_unlock (lock);
+}
+
+unsigned
+bcf_time_hist_bucket (uint64_t ns)
+{
+  uint64_t us = ns / 1000;
+  unsigned i = us ? 64 - (unsigned) __builtin_clzll (us) : 0;
+
+  return i < BCF_TIME_HIST ? i : BCF_TIME_HIST - 1;
+}
+
+uint64_t
+bcf_time_hist_floor_us (unsigned i)
+{
+  return i == 0 ? 0 : UINT64_C (1) << (i - 1);
 }
 
 void

@@ -35,9 +35,13 @@ struct timespec bcf_ns_to_timespec (uint64_t ns);
  * (so a change of the wall clock neither stretches nor cuts them). */
 void bcf_cond_init_monotonic (pthread_cond_t *cond);
 
-/* Record one duration (ns) in t, under lock. */
+/* Record one duration (ns) in t, under lock: count, total, max, last and
+ * the log-scale histogram (struct bcf_time_stat in bcachefilter/cache.h;
+ * bcf_time_hist_floor_us names the buckets). */
 void bcf_time_stat_add (struct bcf_time_stat *t, pthread_mutex_t *lock,
                         uint64_t ns);
+/* The histogram bucket of a duration. */
+unsigned bcf_time_hist_bucket (uint64_t ns);
 
 /* ---- Logging ------------------------------------------------------------- */
 

@@ -11,19 +11,37 @@
 #include "allocator.h"
 #include "render.h"
 
+/* A time stat: count, average, max and the log-scale histogram (JSON:
+ * "hist_us", an object from each non-empty bucket's lower bound in
+ * microseconds to its count; text: "floor_us:count" pairs). */
 static void
 print_time_stat (FILE *fp, bool json, const char *name,
                  const struct bcf_time_stat *t, bool *first)
 {
+  bool hfirst = true;
+
   if (json)
     fprintf (fp, "%s\"%s\": {\"count\": %" PRIu64 ", \"total_ns\": %" PRIu64
-             ", \"max_ns\": %" PRIu64 ", \"last_ns\": %" PRIu64 "}",
+             ", \"max_ns\": %" PRIu64 ", \"last_ns\": %" PRIu64
+             ", \"hist_us\": {",
              *first ? "" : ", ", name, t->count, t->total_ns, t->max_ns,
              t->last_ns);
   else
-    fprintf (fp, "%-28s count %" PRIu64 ", avg %.3f ms, max %.3f ms\n", name,
+    fprintf (fp, "%-28s count %" PRIu64 ", avg %.3f ms, max %.3f ms", name,
              t->count, t->count ? t->total_ns / 1e6 / (double) t->count : 0.0,
              t->max_ns / 1e6);
+  for (unsigned i = 0; i < BCF_TIME_HIST; i++) {
+    if (!t->hist[i])
+      continue;
+    if (json)
+      fprintf (fp, "%s\"%" PRIu64 "\": %" PRIu64, hfirst ? "" : ", ",
+               bcf_time_hist_floor_us (i), t->hist[i]);
+    else
+      fprintf (fp, "%s%" PRIu64 "us:%" PRIu64, hfirst ? ", hist " : " ",
+               bcf_time_hist_floor_us (i), t->hist[i]);
+    hfirst = false;
+  }
+  fprintf (fp, json ? "}}" : "\n");
   *first = false;
 }
 
@@ -165,11 +183,19 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
   print_u64 (fp, json, "gc_slices", st.gc_slices, &first);
   print_u64 (fp, json, "gc_nodes", st.gc_nodes, &first);
   print_u64 (fp, json, "gc_coalesced", st.gc_coalesced, &first);
+  print_u64 (fp, json, "gc_slice_nodes_last", st.gc_slice_nodes_last, &first);
+  print_u64 (fp, json, "gc_slice_nodes_max", st.gc_slice_nodes_max, &first);
+  print_u64 (fp, json, "gc_slices_busy", st.gc_slices_busy, &first);
+  print_u64 (fp, json, "requests_in_flight", st.requests_in_flight, &first);
   print_time_stat (fp, json, "gc", &st.gc, &first);
   print_time_stat (fp, json, "btree_split", &st.btree_split, &first);
   print_time_stat (fp, json, "journal_write", &st.journal_write, &first);
   print_time_stat (fp, json, "alloc_wait", &st.alloc_wait, &first);
   print_time_stat (fp, json, "checkpoint", &st.checkpoint, &first);
+  print_time_stat (fp, json, "gc_slice_locked", &st.gc_slice_locked, &first);
+  print_time_stat (fp, json, "checkpoint_locked", &st.ckpt_locked, &first);
+  print_time_stat (fp, json, "lookup_lock_wait", &st.lookup_lock_wait,
+                   &first);
   print_u64 (fp, json, "tracker_bytes", rs.bypass_bytes_now, &first);
   print_u64 (fp, json, "tracker_peak_bytes", rs.bypass_bytes_peak, &first);
   print_u64 (fp, json, "tracker_pages", rs.bypass_pages, &first);

@@ -350,6 +350,14 @@ int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
 /* Make every insert and invalidation returned so far durable (FLUSH). */
 int bcf_flush (struct bcf_cache *c);
 
+/* Foreground requests: the request layer counts each client request in
+ * for its whole duration, so GC keeps its slices short while anyone waits
+ * (core/gc.c).  Cheap (one relaxed atomic on a per-thread shard); the
+ * token is the shard, to be handed back by the same request. */
+struct bcf_inflight;
+struct bcf_inflight *bcf_inflight_enter (struct bcf_cache *c);
+void bcf_inflight_leave (struct bcf_inflight *t);
+
 /* ---- Maintenance --------------------------------------------------------- */
 
 /* Ask for a GC pass (asynchronous when threads run). */
@@ -363,12 +371,20 @@ int bcf_cache_checkpoint (struct bcf_cache *c);
 
 /* ---- Statistics ---------------------------------------------------------- */
 
+/* Durations, like bcache's time_stats: count, total (for the average),
+ * max, the last one, and a log-scale histogram: hist[0] counts those
+ * under 1 us, hist[i] (i >= 1) those in [2^(i-1), 2^i) us, and the last
+ * bucket everything from 2^(BCF_TIME_HIST-2) us (about 1 s) up. */
+#define BCF_TIME_HIST 22
 struct bcf_time_stat {
   uint64_t count;
   uint64_t total_ns;
   uint64_t max_ns;
   uint64_t last_ns;
+  uint64_t hist[BCF_TIME_HIST];
 };
+/* The lower bound in microseconds of histogram bucket i (0 for i = 0). */
+uint64_t bcf_time_hist_floor_us (unsigned i);
 
 struct bcf_cache_stats {
   uint64_t nbuckets, bucket_bytes, block_bytes;
@@ -388,7 +404,17 @@ struct bcf_cache_stats {
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;
+  /* How long the btree lock was held for writing: by each GC slice, and
+   * by each of a checkpoint's two holds (the snapshot, the release of
+   * dead buckets); and how long a foreground lookup that found it taken
+   * waited for it (uncontended lookups are not timed). */
+  struct bcf_time_stat gc_slice_locked, ckpt_locked, lookup_lock_wait;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
+  /* Nodes walked by the last GC slice, the most by any slice, and the
+   * slices cut to the minimum because foreground requests were in flight
+   * (gc.c: the slice rule). */
+  uint64_t gc_slice_nodes_last, gc_slice_nodes_max, gc_slices_busy;
+  uint64_t requests_in_flight;   /* foreground requests in the engine now */
 };
 
 void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);

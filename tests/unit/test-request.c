@@ -1334,6 +1334,93 @@ START_TEST (threaded_random)
 }
 END_TEST
 
+/* GC's slice rule (core/gc.c): while a client request is in the engine,
+ * a slice walks nodes_min nodes; when none is, max(nodes_min, nodes /
+ * idle_div).  The rule's constants are lowered (1 and 4) so that a tree
+ * of a few dozen leaves shows the difference.  A read miss is held in
+ * flight at the backing store by a gate while a pass runs; a second pass
+ * runs idle.  Without the request path counting itself in (IN_FLIGHT in
+ * core/request.c) the loaded pass walks idle-sized slices and this
+ * fails. */
+START_TEST (gc_slices_shrink_under_load)
+{
+  struct fx f;
+  struct bcf_cache_stats st0, st;
+  struct mem_backing_gate *g;
+  struct reader rd;
+  uint8_t buf[BLOCK], got[BLOCK];
+  pthread_t t;
+  const uint64_t miss_off = 1 * BLOCK;      /* odd blocks stay uncached */
+
+  memset (&f, 0, sizeof f);
+  snprintf (f.path, sizeof f.path, "%s/%s", tmpdir, "slices.img");
+  unlink (f.path);
+  f.mb = mem_backing_new (256 * MiB);
+  f.b = mem_backing_get (f.mb);
+  f.opts.path = f.path;
+  f.opts.create_size = 64 * MiB;
+  f.opts.format = BCF_FORMAT_AUTO;
+  f.opts.bucket_sectors = 32;           /* 16 KiB buckets and nodes */
+  f.opts.block_sectors = BLOCK / 512;
+  f.opts.backing = f.b;
+  memcpy (f.opts.backing_uuid, "request-tests-01", 16);
+  f.opts.log = log_cb;
+  f.ro.mode = BCF_MODE_WRITETHROUGH;
+  f.ro.sequential_cutoff = 4 * MiB;
+  fx_open (&f);
+
+  /* Separate keys (every other block) until there are dozens of leaves. */
+  for (uint64_t blk = 0; blk < 2 * 10000; blk += 2) {
+    pattern (buf, sizeof buf, (uint8_t) blk);
+    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false),
+                      0);
+  }
+  f.c->gc.nodes_min = 1;
+  f.c->gc.idle_div = 4;
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_ge (st0.btree_nodes, 12);  /* idle slices of >= 3 nodes */
+  ck_assert_uint_eq (st0.requests_in_flight, 0);
+
+  /* Loaded: a read miss parked before its backing read. */
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_READ, MEM_BACKING_BEFORE_IO,
+                            miss_off, BLOCK);
+  rd = (struct reader) { .f = &f, .buf = got, .len = BLOCK, .off = miss_off };
+  ck_assert_int_eq (pthread_create (&t, NULL, reader_thread, &rd), 0);
+  ck_assert_msg (mem_backing_gate_wait_hit (g, 10000),
+                 "the read never reached the backing store");
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_eq (st0.requests_in_flight, 1);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_gt (st.gc_slices - st0.gc_slices, 1);
+  ck_assert_msg (st.gc_slice_nodes_max == 1,
+                 "a slice walked %" PRIu64 " nodes with a request in flight "
+                 "(the rule says 1): are requests counted in?",
+                 st.gc_slice_nodes_max);
+  ck_assert_uint_eq (st.gc_slices_busy - st0.gc_slices_busy,
+                     st.gc_slices - st0.gc_slices);
+  ck_assert_uint_gt (st.gc_slice_locked.count,
+                     st0.gc_slice_locked.count);
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (rd.result, 0);
+  bcf_req_drain (f.r);
+
+  /* Idle: nothing in flight, slices of nodes / 4. */
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_eq (st0.requests_in_flight, 0);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.gc_slices_busy, st0.gc_slices_busy);
+  ck_assert_msg (st.gc_slice_nodes_max >= 3 &&
+                 st.gc_slice_nodes_max <= st0.btree_nodes / 4 + 1,
+                 "idle slices of %" PRIu64 " nodes, %" PRIu64 " nodes in all",
+                 st.gc_slice_nodes_max, st0.btree_nodes);
+  ck_assert_uint_eq (st.requests_in_flight, 0);
+  fx_free (&f);
+}
+END_TEST
+
 /* ---- main ------------------------------------------------------------------------- */
 
 static Suite *
@@ -1369,6 +1456,7 @@ request_suite (void)
   ADD (unforgettable_write_fails_in_passthrough);
   ADD (fill_queue_full_drops);
   ADD (threaded_random);
+  ADD (gc_slices_shrink_under_load);
 #undef ADD
   return s;
 }
