@@ -234,13 +234,13 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
              &first);
   /* bcache's writeback_rate (bytes/s here) and writeback_rate_debug. */
   print_u64 (fp, json, "writeback_rate", (uint64_t) rs.wb_rate << 9, &first);
-  print_i64 (fp, json, "writeback_rate_target", rs.wb_target << 9, &first);
-  print_i64 (fp, json, "writeback_rate_dirty", rs.wb_dirty << 9, &first);
+  print_i64 (fp, json, "writeback_rate_target", rs.wb_target * 512, &first);
+  print_i64 (fp, json, "writeback_rate_dirty", rs.wb_dirty * 512, &first);
   print_i64 (fp, json, "writeback_rate_proportional",
-             rs.wb_proportional << 9, &first);
-  print_i64 (fp, json, "writeback_rate_integral", rs.wb_integral << 9,
+             rs.wb_proportional * 512, &first);
+  print_i64 (fp, json, "writeback_rate_integral", rs.wb_integral * 512,
              &first);
-  print_i64 (fp, json, "writeback_rate_change", rs.wb_change << 9, &first);
+  print_i64 (fp, json, "writeback_rate_change", rs.wb_change * 512, &first);
   print_u64 (fp, json, "writeback_rate_next_io_ns", rs.wb_next_io_ns,
              &first);
   print_u64 (fp, json, "writeback_rate_at_max", rs.wb_at_max, &first);
