@@ -106,7 +106,8 @@ struct open_bucket {
  * shards, never of three. */
 struct bcf_inflight {
   atomic_int_fast64_t n;
-  char pad[64 - sizeof (atomic_int_fast64_t)];
+  atomic_uint_fast64_t entered; /* ever: bcf_cache_requests (idle boost) */
+  char pad[64 - sizeof (atomic_int_fast64_t) - sizeof (atomic_uint_fast64_t)];
 };
 
 struct alloc_state {

@@ -252,7 +252,18 @@ bcf_inflight_enter (struct bcf_cache *c)
     my_shard = atomic_fetch_add (&next_shard, 1) % BCF_INFLIGHT_SHARDS;
   t = &c->inflight[my_shard];
   atomic_fetch_add_explicit (&t->n, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit (&t->entered, 1, memory_order_relaxed);
   return t;
+}
+
+uint64_t
+bcf_cache_requests (struct bcf_cache *c)
+{
+  uint64_t n = 0;
+
+  for (unsigned i = 0; i < BCF_INFLIGHT_SHARDS; i++)
+    n += atomic_load_explicit (&c->inflight[i].entered, memory_order_relaxed);
+  return n;
 }
 
 void

@@ -258,7 +258,6 @@ struct bcf_req {
   struct bcf_writeback *wb;
   struct bcf_writeback_stats wb_hand;
   pthread_mutex_t wb_hand_lock;
-  _Atomic uint64_t front_ios;           /* requests: the idle boost */
   _Atomic uint64_t wb_writes, wb_cutoff_writes;
   atomic_bool failing;          /* errors past the limit, dirty data kept */
 };
@@ -562,7 +561,6 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
       bcf_req_free (r);
       return NULL;
     }
-    bcf_writeback_set_front (r->wb, &r->front_ios);
     bcf_writeback_get_tunables (r->wb, &t);
     if (o->writeback_percent)
       t.percent = o->writeback_percent == BCF_WRITEBACK_PERCENT_ZERO ? 0
@@ -1179,7 +1177,6 @@ bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
   bool bypass;
 
   offset += r->offset;
-  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   bypass = should_bypass (r, offset, count);
 
   return do_read (r, b, buf, count, offset, bypass);
@@ -1453,7 +1450,6 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     return 0;
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
-  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   if (s.start >= s.end)         /* the uncached tail */
     return b->ops->pwrite (b->opaque, buf, count, offset, fua);
 
@@ -1589,7 +1585,6 @@ change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
     return fn (b, count, offset, arg);
-  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   register_change (r, s, &tok);
   if (!cache_off (r) && span_dirty (r, s))
     rc = write_back_span (r, b, s);
@@ -1650,7 +1645,6 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
   IN_FLIGHT (r);
   int rc = b->ops->flush (b->opaque);
 
-  atomic_fetch_add_explicit (&r->front_ios, 1, memory_order_relaxed);
   bcf_req_drain (r);
 
   /* Nothing acknowledged depends on the cache's journal in the clean

@@ -113,7 +113,6 @@ struct bcf_writeback {
   struct bcf_cache *c;
   struct bcf_bypass *tracker;
   struct bcf_backing b;
-  _Atomic uint64_t *front_ios;           /* front-end requests so far */
   uint64_t capacity_sectors;            /* of the cache's buckets */
   _Atomic unsigned in_use;              /* bcf_writeback_in_use */
 
@@ -126,7 +125,7 @@ struct bcf_writeback {
   uint64_t flush_gen;                   /* passes that ended clean */
   int flush_rc;                         /* the last pass's result */
   struct bcf_wb_pi pi;
-  uint64_t front_seen;                  /* front_ios at the last round */
+  uint64_t front_seen;                  /* bcf_cache_requests, last round */
   pthread_t thread;
   uint64_t passes, idle_passes;
   struct bcf_writeback_stats st;
@@ -404,7 +403,7 @@ static void
 update_rate_locked (struct bcf_writeback *wb, uint64_t now)
 {
   struct bcf_cache_stats cs;
-  uint64_t front = wb->front_ios ? atomic_load (wb->front_ios) : 0;
+  uint64_t front = bcf_cache_requests (wb->c);
   struct bcf_wb_pi_input in;
 
   bcf_cache_stats (wb->c, &cs);
@@ -416,7 +415,7 @@ update_rate_locked (struct bcf_writeback *wb, uint64_t now)
     .dirty_buckets = (int64_t) cs.buckets_dirty,
     .bucket_sectors = (int64_t) (cs.bucket_bytes >> 9),
     .update_seconds = wb->t.update_seconds,
-    .idle = wb->front_ios && front == wb->front_seen,
+    .idle = front == wb->front_seen,
     .now_ns = now,
   };
   wb->front_seen = front;
@@ -529,14 +528,6 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
   bcf_cond_init_monotonic (&wb->wake);
   bcf_cond_init_monotonic (&wb->flushed);
   return wb;
-}
-
-void
-bcf_writeback_set_front (struct bcf_writeback *wb, _Atomic uint64_t *front_ios)
-{
-  pthread_mutex_lock (&wb->lock);
-  wb->front_ios = front_ios;
-  pthread_mutex_unlock (&wb->lock);
 }
 
 void

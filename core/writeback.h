@@ -91,14 +91,11 @@ struct bcf_writeback_stats {
 
 /* drain: the clean modes (write back what is dirty, then look again only
  * now and then); otherwise writeback mode, rate controlled.  b must stay
- * valid for the writeback's life.  front_ios, if not NULL, counts the
- * front-end requests (idle boost: no change in a round means idle). */
+ * valid for the writeback's life. */
 struct bcf_writeback *bcf_writeback_new (struct bcf_cache *c,
                                          struct bcf_bypass *tracker,
                                          const struct bcf_backing *b,
                                          bool drain);
-void bcf_writeback_set_front (struct bcf_writeback *wb,
-                              _Atomic uint64_t *front_ios);
 void bcf_writeback_get_tunables (struct bcf_writeback *wb,
                                  struct bcf_writeback_tunables *t);
 /* Applies t (percent ≤ 100, update_seconds 1..60: else -EINVAL) and

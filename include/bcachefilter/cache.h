@@ -357,6 +357,9 @@ int bcf_flush (struct bcf_cache *c);
 struct bcf_inflight;
 struct bcf_inflight *bcf_inflight_enter (struct bcf_cache *c);
 void bcf_inflight_leave (struct bcf_inflight *t);
+/* Requests that entered so far (never decreases): the writeback's idle
+ * boost looks for rounds in which it did not change. */
+uint64_t bcf_cache_requests (struct bcf_cache *c);
 
 /* ---- Maintenance --------------------------------------------------------- */
 
