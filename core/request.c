@@ -633,71 +633,49 @@ bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m)
   return -EINVAL;
 }
 
-/* Change one writeback knob (fn) and apply it. */
+/* Change one writeback knob and apply it. */
+enum knob { K_PERCENT, K_DELAY, K_RUNNING, K_UPDATE };
+
 static int
-set_tunable (struct bcf_req *r, bool (*fn) (struct bcf_writeback_tunables *t,
-                                            unsigned v), unsigned v)
+set_tunable (struct bcf_req *r, enum knob k, unsigned v)
 {
   struct bcf_writeback_tunables t;
 
   if (!r->wb)
     return -ENOTSUP;
   bcf_writeback_get_tunables (r->wb, &t);
-  if (!fn (&t, v))
-    return -EINVAL;
+  switch (k) {
+  case K_PERCENT: t.percent = v; break;
+  case K_DELAY: t.delay_s = v; break;
+  case K_RUNNING: t.running = v != 0; break;
+  case K_UPDATE: t.update_seconds = v; break;
+  }
+  /* bcf_writeback_set_tunables checks the ranges. */
   return bcf_writeback_set_tunables (r->wb, &t);
-}
-
-static bool
-tune_percent (struct bcf_writeback_tunables *t, unsigned v)
-{
-  t->percent = v;
-  return v <= 100;
-}
-
-static bool
-tune_delay (struct bcf_writeback_tunables *t, unsigned v)
-{
-  t->delay_s = v;
-  return true;
-}
-
-static bool
-tune_running (struct bcf_writeback_tunables *t, unsigned v)
-{
-  t->running = v != 0;
-  return true;
-}
-
-static bool
-tune_update (struct bcf_writeback_tunables *t, unsigned v)
-{
-  t->update_seconds = v;
-  return v >= 1 && v <= 60;
 }
 
 int
 bcf_req_set_writeback_percent (struct bcf_req *r, unsigned percent)
 {
-  return set_tunable (r, tune_percent, percent);
+  return set_tunable (r, K_PERCENT, percent);
 }
 
 int
 bcf_req_set_writeback_delay (struct bcf_req *r, unsigned seconds)
 {
-  return set_tunable (r, tune_delay, seconds);
+  return set_tunable (r, K_DELAY, seconds);
 }
 
 int
 bcf_req_set_writeback_running (struct bcf_req *r, bool running)
 {
-  return set_tunable (r, tune_running, running);
+  return set_tunable (r, K_RUNNING, running);
 }
 
 int
 bcf_req_set_writeback_update_seconds (struct bcf_req *r, unsigned s)
 {
-  return set_tunable (r, tune_update, s);
+  return set_tunable (r, K_UPDATE, s);
 }
 
 int
