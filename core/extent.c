@@ -236,20 +236,6 @@ aligned_source (const void *data, size_t len, void **bounce)
 }
 
 static int
-dev_write (struct bcf_cache *c, const void *data, size_t len, uint64_t off)
-{
-  void *b;
-  const void *src = aligned_source (data, len, &b);
-  int r;
-
-  if (!src)
-    return -ENOMEM;
-  r = bcf_io_pwrite (c->io, src, len, off);
-  bcf_buf_free (b, len);
-  return r;
-}
-
-static int
 dev_read (struct bcf_cache *c, void *data, size_t len, uint64_t off)
 {
   void *b;
@@ -735,36 +721,78 @@ bcf_drop_hit (struct bcf_cache *c, const struct bcf_extent *e)
 /* Write [s, e) of data (sectors; data holds the range from s) to new
  * cache space and insert it, journalled, as one key per piece of at most
  * data_chunk_sectors; the pieces' pointers go to ptrs (if not NULL).
- * Raises *d.  Returns 0 or -errno (pieces already inserted stay). */
+ * Raises *d.
+ *
+ * In three phases, as bcache's data insert collects its keys and inserts
+ * them once every piece is written: allocate every piece, write them all
+ * (one submission), then insert the keys.  So no room, or a cache
+ * device that fails a data write, changes nothing in the tree: the range
+ * keeps whatever it held, dirty data of earlier writes included, and the
+ * caller decides what to do with it (request.c writes that data back
+ * before it invalidates the range).  An earlier version inserted piece by
+ * piece and, on a failure, invalidated the whole range in memory: that
+ * dropped the older dirty data under the pieces it had not reached, the
+ * only copy of acknowledged writes, before the backing store had anything
+ * newer (the soak's writeback time travel).  Only an insert that fails
+ * (the journal or a node read failing: the device is going) leaves the
+ * pieces before it inserted: each holds this write's data, as a dirty
+ * key would anyway.  Each allocation stays pinned until its key is in
+ * or given up.  Returns 0 or -errno. */
 static int
 write_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const void *data,
               bool dirty, uint64_t *ptrs, struct durability *d)
 {
   const uint64_t chunk = data_chunk_sectors (c);
-  unsigned i = 0;
+  const unsigned n = (unsigned) ((e - s + chunk - 1) / chunk);
+  uint64_t *ptr = ptrs ? ptrs : calloc (n, sizeof *ptr);
+  struct bcf_io_seg *segs = calloc (n, sizeof *segs);
+  void *bounce = NULL;
+  const uint8_t *src = NULL;
+  unsigned got = 0, put = 0, i;
   int r = 0;
 
-  if (c->failed)
-    return -ENOSPC;
-  for (uint64_t p = s; p < e && r == 0; p += chunk, i++) {
-    uint64_t pe = p + chunk < e ? p + chunk : e, ptr;
-    struct ckey k;
+  if (!ptr || !segs ||
+      !(src = aligned_source (data, (e - s) << BCH_SECTOR_SHIFT, &bounce)))
+    r = -ENOMEM;
+  if (r == 0 && c->failed)
+    r = -ENOSPC;
+  /* 1. Allocate every piece. */
+  for (uint64_t p = s; r == 0 && p < e; p += chunk, got++) {
+    uint64_t pe = p + chunk < e ? p + chunk : e;
 
-    if ((r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr)) < 0)
+    if ((r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr[got])) < 0)
       break;
-    r = dev_write (c, (const uint8_t *) data + ((p - s) << BCH_SECTOR_SHIFT),
-                   (pe - p) << BCH_SECTOR_SHIFT,
-                   PTR_OFFSET (ptr) << BCH_SECTOR_SHIFT);
-    if (r < 0)
-      atomic_fetch_add (&c->stats.device_errors, 1);
-    else {
-      k = range_piece (c, p, pe, p, true, ptr, dirty);
-      r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, d);
-      if (r == 0 && ptrs)
-        ptrs[i] = ptr;
-    }
-    alloc_put (c, ptr);
+    segs[got] = (struct bcf_io_seg) {
+      .op = BCF_IO_WRITE,
+      .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
+      .len = (pe - p) << BCH_SECTOR_SHIFT,
+      .off = PTR_OFFSET (ptr[got]) << BCH_SECTOR_SHIFT,
+    };
   }
+  /* 2. Write them all. */
+  if (r == 0) {
+    bcf_io_submit (c->io, segs, n);
+    for (i = 0; i < n && r == 0; i++)
+      if ((r = segs[i].result) < 0)
+        atomic_fetch_add (&c->stats.device_errors, 1);
+  }
+  /* 3. Insert the keys, in order; each allocation is given back once
+   * its key is in (or failed to go in). */
+  for (i = 0; r == 0 && i < n; i++) {
+    uint64_t p = s + i * chunk, pe = p + chunk < e ? p + chunk : e;
+    struct ckey k = range_piece (c, p, pe, p, true, ptr[i], dirty);
+
+    r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, d);
+    alloc_put (c, ptr[i]);
+    put = i + 1;
+  }
+  /* The allocations no insert reached. */
+  for (i = put; i < got; i++)
+    alloc_put (c, ptr[i]);
+  bcf_buf_free (bounce, (e - s) << BCH_SECTOR_SHIFT);
+  free (segs);
+  if (ptr != ptrs)
+    free (ptr);
   return r;
 }
 
@@ -843,9 +871,9 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return -ENOMEM;
   r = write_pieces (c, s, e, data, true, w->ptrs, &d);
   if (r < 0) {
-    /* What is in went in journalled: take it out the same way; the
-     * caller invalidates the whole range durably anyway. */
-    bcf_invalidate (c, offset, len, false);
+    /* Nothing is taken out here: the range may hold older dirty data,
+     * which must stay until the backing store has something at least as
+     * new (the caller writes it back, then invalidates durably). */
     bcf_write_release (c, w);
     return r;
   }

@@ -60,7 +60,9 @@
  *       keys become clean: the backing store has the data); if it failed,
  *       bcf_write_undo removes them durably before the error is returned,
  *       so no dirty key of a write the client was told failed is left for
- *       a restart to write back;
+ *       a restart to write back.  Except over dirty data (span_dirty): the
+ *       keys replaced the only copy of earlier acknowledged writes, so they
+ *       stay dirty and are written back later (complete_cache_write);
  *   W5. bcf_bypass_end.
  *
  * Writeback mode (should_write_back: bcache's should_writeback and its
@@ -1288,14 +1290,26 @@ cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
   return 1;
 }
 
-/* W4: the backing write returned rc. */
+/* W4: the backing write returned rc.  over_dirty: the span held dirty
+ * data before this write (span_dirty, at W1). */
 static void
-complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc)
+complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc,
+                      bool over_dirty)
 {
   if (rc == 0) {
     int64_t clean = bcf_write_mark_clean (r->c, w);
     atomic_fetch_add (clean == (int64_t) w->len ? &r->write_inserts
                       : &r->write_collisions, 1);
+  }
+  else if (over_dirty) {
+    /* The write's dirty keys replaced older dirty data, the only copy of
+     * writes acknowledged earlier, which the backing store does not have
+     * (it may even hold a part of this write now).  Removing the keys
+     * would serve the export's older data: time travel past a flush.  So
+     * they stay, dirty, and are written back later like any dirty data:
+     * the range reads as this write, never as older data.  The client is
+     * told the write failed, which leaves its range unspecified. */
+    atomic_fetch_add (&r->write_collisions, 1);
   }
   else {
     /* The client is told the write failed: its data must not stay to be
@@ -1488,7 +1502,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   cached = rc == 1;
   rc = b->ops->pwrite (b->opaque, data, (uint32_t) wlen, woff, fua); /* W3 */
   if (cached)                                                 /* W4 */
-    complete_cache_write (r, &w, rc);
+    complete_cache_write (r, &w, rc, dirty);
   bcf_bypass_end (r->tracker, &tok);                           /* W5 */
   free (wide);
   return rc;

@@ -316,8 +316,12 @@ struct bcf_write {
 };
 
 /* Returns 0; or -ENOSPC (no room now), -errno (device error): then
- * nothing of the write is cached and the caller invalidates the range
- * as for a write that bypasses the cache. */
+ * the range holds what it held before (older dirty data included: it is
+ * not dropped here), except after an insert failure (the journal or a
+ * node read failed), which can leave dirty keys of this write's data
+ * over a prefix of the range.  The caller writes back the range's dirty
+ * data if it has any and invalidates the range as for a write that
+ * bypasses the cache (request.c's cache_write). */
 int bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
                      const void *data, struct bcf_write *w);
 int bcf_write_durable (struct bcf_cache *c, struct bcf_write *w);

@@ -555,6 +555,83 @@ START_TEST (failing_device_keeps_dirty_data)
 }
 END_TEST
 
+/* A write over dirty data that the cache cannot take (the device fails
+ * its data writes) must not drop the older dirty data before the backing
+ * store has something as new: here the device refuses every write, so
+ * the write can neither be cached nor journal an invalidation, and fails;
+ * the range must still read as the flushed write A (from the export, to
+ * which it was written back first), never the export's older data.
+ * Negative control: with write_pieces inserting piece by piece and
+ * invalidating the whole range in memory on a failure (the code before
+ * this test), A is gone from memory before the write-back looks for it,
+ * and the range reads the export's old 0x01. */
+START_TEST (write_over_dirty_device_refuses_writes)
+{
+  struct fx f;
+  static uint8_t old[512 * 1024], a[512 * 1024], b[512 * 1024];
+  struct bcf_io_faults faults = { .fail_every = 1, .fail_writes_only = true };
+  const uint64_t off = 16 * MiB;
+
+  fx_init (&f, "refuse.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  memset (old, 0x01, sizeof old);
+  memset (a, 0xa1, sizeof a);
+  memset (b, 0xb2, sizeof b);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  /* Four pieces (128 KiB buckets). */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, off, false), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  check_backing (&f, off, old, sizeof old, "not written back yet");
+
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &faults);
+  ck_assert_int_lt (bcf_req_write (f.r, &f.b, b, sizeof b, off, false), 0);
+  check_read (&f, off, a, sizeof a, "after a write over dirty data that "
+              "the device refused (must read as the flushed write)");
+  check_backing (&f, off, a, sizeof a, "the dirty data written back "
+                 "before the range was given up");
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  fx_free (&f);
+}
+END_TEST
+
+/* A writethrough write over dirty data (a switch from writeback) whose
+ * backing write fails: its dirty keys replaced the only copy of the
+ * flushed write A, so they must not be removed (the export still has
+ * older data); they stay dirty, the range reads as the failed write, and
+ * the writeback brings the export to it.  Negative control: with
+ * complete_cache_write undoing the keys as for any failed write (the
+ * code before this test), the range reads the export's old 0x01. */
+START_TEST (writethrough_over_dirty_backing_fails)
+{
+  struct fx f;
+  static uint8_t old[65536], a[65536], b[65536];
+  struct bcf_req_stats rs;
+  const uint64_t off = 24 * MiB;
+
+  fx_init (&f, "wtfail.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  memset (old, 0x01, sizeof old);
+  memset (a, 0xa1, sizeof a);
+  memset (b, 0xb2, sizeof b);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, off, false), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert_int_eq (bcf_req_set_mode (f.r, BCF_MODE_WRITETHROUGH), 0);
+
+  mem_backing_fail_nth_write (f.mb, 1, EIO);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, b, sizeof b, off, false), -EIO);
+  mem_backing_clear_faults (f.mb);
+  check_read (&f, off, b, sizeof b, "after a failed writethrough write "
+              "over dirty data");
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, sizeof b);
+  ck_assert_int_eq (bcf_req_writeback (f.r, &f.b), 0);
+  check_backing (&f, off, b, sizeof b, "after the writeback");
+  fx_close (&f);
+  fx_open (&f);
+  check_read (&f, off, b, sizeof b, "after a restart");
+  fx_free (&f);
+}
+END_TEST
+
 static Suite *
 writeback_suite (void)
 {
@@ -575,6 +652,8 @@ writeback_suite (void)
   ADD (rate_controller);
   ADD (cutoff_writes_through);
   ADD (failing_device_keeps_dirty_data);
+  ADD (write_over_dirty_device_refuses_writes);
+  ADD (writethrough_over_dirty_backing_fails);
 #undef ADD
   return s;
 }
