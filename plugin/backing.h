@@ -40,7 +40,9 @@ void bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,
  * export, for the work that has no client connection to use (the
  * writeback thread).  It is opened when it is first used, not in
  * .after_fork: with nbdkit-nbd-plugin every open of such a context
- * prints "error: no connection in this thread" (lifecycle.h), and most
+ * prints "error: no connection in this thread" (lifecycle.h; opening it
+ * from a client connection's thread does not help: nbdkit 1.32 gives a
+ * shared context no connection either, tried), and most
  * runs never use it (the writeback thread writes only dirty data, which
  * in the clean modes exists only where a crash left some).  A call that
  * cannot open it fails with -EIO (the writeback tries again later).
