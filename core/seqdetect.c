@@ -5,27 +5,48 @@
  * device: a table of RECENT_IO (128, bcache's RECENT_IO_BITS = 7) recent
  * streams, each remembering where it ended ("last"), how many bytes it
  * has seen ("sequential") and when it expires (5 s after it was last
- * continued).  The entries are chained in RECENT_IO hash buckets keyed
- * by "last" and in an LRU list.  A request looks up its start offset in
- * the hash: an unexpired entry ending exactly there is its stream;
- * otherwise the least recently used entry is recycled (expired or not,
- * as bcache does) with a zero count.  Either way the entry then adds the
- * request's bytes (saturating), is rehashed under its new end and moves
- * to the LRU tail.  Entries never used yet are in no hash chain, so
- * they never match (bcache parks them in an extra, unsearched bucket).
+ * continued).  The entries are chained in RECENT_IO hash buckets and in
+ * an LRU list.  A request looks for its stream; otherwise the least
+ * recently used entry is recycled (expired or not, as bcache does) with
+ * a zero count.  Either way the entry then takes the request, is
+ * rehashed under its new end and moves to the LRU tail.  Entries never
+ * used yet are in no hash chain, so they never match (bcache parks them
+ * in an extra, unsearched bucket).
  *
- * Differences from bcache: offsets and counts are in bytes, not sectors;
- * there is no per-task EWMA (sequential_io_avg): NBD requests carry no
- * task identity, so the caller compares the returned stream size alone
- * with the cutoff.  A zero-length request is not accounted (returns 0).
+ * Out-of-order arrivals (the one change to bcache's rule).  bcache sees
+ * a stream's bios in order; an NBD server does not: a client's 16
+ * sequential 4 KiB requests in flight are taken by 16 nbdkit threads and
+ * reach the filter slightly shuffled (0, 8K, 4K, 12K, ...), and bcache's
+ * exact rule ("starts where a stream ended") then never sees a stream
+ * longer than a few requests.  So a request continues the stream whose
+ * end is exactly its start (bcache's match, preferred), or else one whose
+ * end lies within WINDOW bytes of its start, before or after; the stream
+ * counts the bytes by which the request moves its end forward (a request
+ * ahead of the end counts the gap too, which the late arrivals then fill
+ * without counting again; one wholly behind the end counts nothing).  A
+ * strictly sequential stream counts exactly as in bcache.  Random I/O
+ * rarely lands within WINDOW of one of 128 recent ends, and each time it
+ * does it adds at most WINDOW plus its own length, so it does not reach a
+ * cutoff of megabytes by chance.  Where several entries match, the most
+ * recently used wins (for an exact match that is bcache's: its hash
+ * chain keeps the most recently rehashed entry first).  Entries are
+ * hashed by their end's WINDOW-sized granule, so the candidates for a
+ * request lie in three chains: its granule and the two next to it.
  *
- * Locking: one mutex around the whole table, held for a hash-chain walk
- * and a few pointer updates (bcache uses a spinlock the same way).  The
- * clock is read under it too, so time never goes backwards per entry.
+ * Differences from bcache besides that: offsets and counts are in bytes,
+ * not sectors; there is no per-task EWMA (sequential_io_avg): NBD
+ * requests carry no task identity, so the caller compares the returned
+ * stream size alone with the cutoff.  A zero-length request is not
+ * accounted (returns 0).
+ *
+ * Locking: one mutex around the whole table, held for three hash-chain
+ * walks and a few pointer updates (bcache uses a spinlock the same way).
+ * The clock is read under it too, so time never goes backwards per entry.
  */
 #include "config.h"
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -36,6 +57,7 @@
 #define RECENT_IO_BITS 7
 #define RECENT_IO      (1 << RECENT_IO_BITS)
 #define EXPIRE_NS      (UINT64_C (5) * 1000 * 1000 * 1000)
+#define WINDOW         BCF_SEQDETECT_WINDOW
 
 struct io {
   struct io *hnext, **hpprev;       /* hash chain (hpprev NULL: unhashed) */
@@ -43,6 +65,7 @@ struct io {
   uint64_t last;                    /* where the stream ended */
   uint64_t deadline;                /* forgotten from then (ns) */
   uint64_t sequential;              /* bytes in the stream */
+  uint64_t stamp;                   /* when it was last used (a count) */
 };
 
 struct bcf_seqdetect {
@@ -50,15 +73,23 @@ struct bcf_seqdetect {
   uint64_t (*now_ns) (void);
   struct io *hash[RECENT_IO];
   struct io *lru_head, *lru_tail;
+  uint64_t stamp;                   /* requests accounted */
   struct io io[RECENT_IO];
 };
+
+/* The chain of a granule (an offset / WINDOW). */
+static unsigned
+hash_of_granule (uint64_t g)
+{
+  /* Multiplicative (golden ratio) hash, like the kernel's hash_64. */
+  return (unsigned) ((g * UINT64_C (0x61C8864680B583EB)) >>
+                     (64 - RECENT_IO_BITS));
+}
 
 static unsigned
 hash_of (uint64_t last)
 {
-  /* Multiplicative (golden ratio) hash, like the kernel's hash_64. */
-  return (unsigned) ((last * UINT64_C (0x61C8864680B583EB)) >>
-                     (64 - RECENT_IO_BITS));
+  return hash_of_granule (last / WINDOW);
 }
 
 static void
@@ -125,28 +156,70 @@ bcf_seqdetect_free (struct bcf_seqdetect *s)
   free (s);
 }
 
+/* Is i, unexpired, the stream of a request starting at offset: exact
+ * (its end is offset), or near (its end within WINDOW of offset)? */
+static bool
+ends_exactly (const struct io *i, uint64_t offset, uint64_t now)
+{
+  return i->last == offset && now < i->deadline;
+}
+
+static bool
+ends_near (const struct io *i, uint64_t offset, uint64_t now)
+{
+  uint64_t d = i->last > offset ? i->last - offset : offset - i->last;
+
+  return d <= WINDOW && now < i->deadline;
+}
+
+/* The most recently used entry of the chains of offset's granule and its
+ * two neighbours (every entry whose end is within WINDOW of offset) that
+ * match says, or NULL. */
+static struct io *
+find_stream (struct bcf_seqdetect *s, uint64_t offset, uint64_t now,
+             bool (*match) (const struct io *, uint64_t, uint64_t))
+{
+  const uint64_t g = offset / WINDOW;
+  struct io *best = NULL;
+
+  for (int d = -1; d <= 1; d++) {
+    if ((d < 0 && g == 0) || (d > 0 && g == UINT64_MAX / WINDOW))
+      continue;
+    for (struct io *i = s->hash[hash_of_granule (g + (uint64_t) d)]; i;
+         i = i->hnext)
+      if (match (i, offset, now) && (!best || i->stamp > best->stamp))
+        best = i;
+  }
+  return best;
+}
+
 uint64_t
 bcf_seqdetect_account (struct bcf_seqdetect *s, uint64_t offset,
                        uint64_t len)
 {
   struct io *i;
-  uint64_t now, seq;
+  uint64_t now, seq, end;
 
   if (len == 0)
     return 0;
+  end = offset + len < offset ? UINT64_MAX : offset + len;
   pthread_mutex_lock (&s->lock);
   now = s->now_ns ();
-  for (i = s->hash[hash_of (offset)]; i != NULL; i = i->hnext)
-    if (i->last == offset && now < i->deadline)
-      break;
-  if (i == NULL) {
+  if (!(i = find_stream (s, offset, now, ends_exactly)) &&
+      !(i = find_stream (s, offset, now, ends_near))) {
     i = s->lru_head;
     i->sequential = 0;
+    i->last = offset;
   }
-  i->sequential = i->sequential + len < i->sequential ?
-    UINT64_MAX : i->sequential + len;
-  i->last = offset + len < offset ? UINT64_MAX : offset + len;
+  /* The bytes by which the stream's end moves forward. */
+  if (end > i->last) {
+    uint64_t add = end - i->last;
+    i->sequential = i->sequential + add < i->sequential ?
+      UINT64_MAX : i->sequential + add;
+    i->last = end;
+  }
   i->deadline = now + EXPIRE_NS;
+  i->stamp = ++s->stamp;
   hash_del (i);
   hash_add (s, i);
   lru_del (s, i);

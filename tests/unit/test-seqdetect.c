@@ -27,6 +27,7 @@
 #define SEC       UINT64_C (1000000000)
 #define EXPIRE    (5 * SEC)
 #define MiB       (UINT64_C (1) << 20)
+#define WINDOW    BCF_SEQDETECT_WINDOW
 
 static unsigned seed;
 
@@ -56,9 +57,12 @@ START_TEST (test_stream)
   ck_assert_uint_eq (bcf_seqdetect_account (s, 4 * MiB, 512), 4 * MiB + 512);
   ck_assert_uint_eq (bcf_seqdetect_account (s, 4 * MiB + 512, MiB),
                      5 * MiB + 512);
-  /* A gap, an overlap or a backwards step starts a new stream. */
-  ck_assert_uint_eq (bcf_seqdetect_account (s, 5 * MiB + 1024, 4096), 4096);
-  ck_assert_uint_eq (bcf_seqdetect_account (s, 5 * MiB + 1024, 4096), 4096);
+  /* A gap or a backwards step larger than the window (seqdetect.h)
+   * starts a new stream. */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 5 * MiB + 512 + WINDOW + 1,
+                                            4096), 4096);
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 5 * MiB + 512 - WINDOW - 4097,
+                                            4096), 4096);
   ck_assert_uint_eq (bcf_seqdetect_account (s, 0, 4096), 4096);
   /* The old stream is still there. */
   ck_assert_uint_eq (bcf_seqdetect_account (s, 5 * MiB + 512, 512),
@@ -86,16 +90,75 @@ START_TEST (test_interleaved)
       ck_assert_uint_eq (bcf_seqdetect_account (s, base * k + round * 65536,
                                                 65536),
                          (round + 1) * 65536);
-  /* Two streams touching: A ends where B starts; A continues into B's
-   * range, B continues its own. */
+  /* Two streams farther apart than the window each keep their own
+   * count; one that reaches the other's start continues into it (an
+   * exact match is preferred to a near one). */
   bcf_seqdetect_free (s);
   s = new_fake ();
+  const uint64_t b = 2 * WINDOW;
   ck_assert_uint_eq (bcf_seqdetect_account (s, 0, 4096), 4096);          /* A */
-  ck_assert_uint_eq (bcf_seqdetect_account (s, 8192, 4096), 4096);       /* B */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, b, 4096), 4096);          /* B */
   ck_assert_uint_eq (bcf_seqdetect_account (s, 4096, 4096), 8192);       /* A */
-  ck_assert_uint_eq (bcf_seqdetect_account (s, 12288, 4096), 8192);      /* B */
-  /* A ended at 8192 (where B started): A continues there. */
-  ck_assert_uint_eq (bcf_seqdetect_account (s, 8192, 4096), 12288);      /* A */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, b + 4096, 4096), 8192);   /* B */
+  for (uint64_t o = 8192; o < b; o += 4096)                              /* A */
+    ck_assert_uint_eq (bcf_seqdetect_account (s, o, 4096), o + 4096);
+  /* A ended at b + 8192 - 8192 = b, where B started; B's end (b + 8192)
+   * is near too, but A's is exact. */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, b, 4096), b + 4096);      /* A */
+  bcf_seqdetect_free (s);
+}
+END_TEST
+
+/* Out-of-order arrivals (seqdetect.c): a stream whose requests come
+ * shuffled within the window counts as one stream, each byte once. */
+START_TEST (test_reordered)
+{
+  struct bcf_seqdetect *s = new_fake ();
+  uint64_t got = 0;
+
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 0, 4096), 4096);
+  /* Ahead of the end: the gap counts. */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 8192, 4096), 12288);
+  /* The late arrival fills it without counting again. */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 4096, 4096), 12288);
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 12288, 4096), 16384);
+  /* Overlapping the end: only what is new counts. */
+  ck_assert_uint_eq (bcf_seqdetect_account (s, 14336, 4096), 18432);
+  bcf_seqdetect_free (s);
+
+  /* 4 MiB of 4 KiB requests, 16 in flight: each group of 16 arrives in
+   * a shuffled order.  The stream starts at the first arrival, so the
+   * first group's blocks before it are never counted (at most 15 of
+   * them); after that every byte counts once, never ahead of the group
+   * that has arrived. */
+  s = new_fake ();
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 7;
+  for (uint64_t g = 0; g < 4 * MiB / 65536; g++) {
+    uint64_t order[16];
+    for (unsigned k = 0; k < 16; k++)
+      order[k] = k;
+    for (unsigned k = 15; k > 0; k--) {
+      unsigned j = (unsigned) rnd_below (k + 1);
+      uint64_t t = order[k];
+      order[k] = order[j];
+      order[j] = t;
+    }
+    for (unsigned k = 0; k < 16; k++) {
+      got = bcf_seqdetect_account (s, g * 65536 + order[k] * 4096, 4096);
+      ck_assert_uint_le (got, (g + 1) * 65536);
+      ck_assert_uint_ge (got + 15 * 4096, g * 65536 + 4096);
+    }
+  }
+  ck_assert_uint_ge (got, 4 * MiB - 15 * 4096);
+  ck_assert_uint_le (got, 4 * MiB);
+  bcf_seqdetect_free (s);
+
+  /* Random requests in a small hot range (within the window of each
+   * other) never count more than the range itself. */
+  s = new_fake ();
+  for (unsigned k = 0; k < 10000; k++)
+    ck_assert_uint_le (bcf_seqdetect_account (s, 8 * MiB + rnd_below (16) * 4096,
+                                              4096), 16 * 4096);
   bcf_seqdetect_free (s);
 }
 END_TEST
@@ -175,8 +238,9 @@ START_TEST (test_saturate)
 END_TEST
 
 /* Reference: RECENT_IO entries with an LRU stamp; a lookup matches the
- * unexpired entry ending at offset that was updated last (the hash chain
- * keeps the most recently rehashed entry first). */
+ * unexpired entry ending at offset that was used last, or else the
+ * unexpired one ending within the window of offset that was used last;
+ * the stream counts the bytes by which the request moves its end. */
 struct ref { uint64_t last, deadline, seq, stamp; bool used; };
 
 START_TEST (test_model_random)
@@ -192,7 +256,7 @@ START_TEST (test_model_random)
     ref[k].stamp = stamp++;
   for (uint64_t op = 0; op < ops; op++) {
     uint64_t now, off, len = 1 + rnd_below (3) * 4096, want;
-    struct ref *hit = NULL, *lru = &ref[0];
+    struct ref *hit = NULL, *near = NULL, *lru = &ref[0];
 
     atomic_fetch_add (&fake_ns, rnd_below (10) == 0 ? rnd_below (6 * SEC)
                                                     : rnd_below (SEC / 50));
@@ -201,19 +265,27 @@ START_TEST (test_model_random)
      * that collisions and reuses happen. */
     off = rnd_below (2) ? ends[rnd_below (16)] : rnd_below (512) * 4096;
     for (unsigned k = 0; k < RECENT_IO; k++) {
-      if (ref[k].used && ref[k].last == off && now < ref[k].deadline &&
-          (hit == NULL || ref[k].stamp > hit->stamp))
+      uint64_t d = ref[k].last > off ? ref[k].last - off : off - ref[k].last;
+      bool live = ref[k].used && now < ref[k].deadline;
+      if (live && d == 0 && (hit == NULL || ref[k].stamp > hit->stamp))
         hit = &ref[k];
+      if (live && d <= WINDOW && (near == NULL || ref[k].stamp > near->stamp))
+        near = &ref[k];
       if (ref[k].stamp < lru->stamp)
         lru = &ref[k];
     }
+    if (hit == NULL)
+      hit = near;
     if (hit == NULL) {
       hit = lru;
       hit->seq = 0;
+      hit->last = off;
     }
     hit->used = true;
-    hit->seq += len;
-    hit->last = off + len;
+    if (off + len > hit->last) {
+      hit->seq += off + len - hit->last;
+      hit->last = off + len;
+    }
     hit->deadline = now + EXPIRE;
     hit->stamp = stamp++;
     want = hit->seq;
@@ -266,6 +338,7 @@ seqdetect_suite (void)
   tcase_set_timeout (tc, 600);
   tcase_add_test (tc, test_stream);
   tcase_add_test (tc, test_interleaved);
+  tcase_add_test (tc, test_reordered);
   tcase_add_test (tc, test_expiry);
   tcase_add_test (tc, test_lru);
   tcase_add_test (tc, test_saturate);
