@@ -264,6 +264,19 @@ bcf_cache_check_device (struct bcf_cache *c)
   return r;
 }
 
+void
+bcf_cache_set_congestion (struct bcf_cache *c, unsigned read_us,
+                          unsigned write_us)
+{
+  bcf_io_set_congestion (c->io, read_us, write_us);
+}
+
+unsigned
+bcf_cache_congested (struct bcf_cache *c)
+{
+  return bcf_io_congested (c->io);
+}
+
 uint64_t
 bcf_cache_device_ios (const struct bcf_cache *c)
 {
@@ -297,6 +310,9 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->btree_evictions = __atomic_load_n (&c->tree.evictions, __ATOMIC_RELAXED);
   st->btree_loads = __atomic_load_n (&c->tree.loads, __ATOMIC_RELAXED);
   pthread_rwlock_unlock (&c->tree_lock);
+  bcf_io_get_congestion (c->io, &st->congested_read_threshold_us,
+                         &st->congested_write_threshold_us);
+  st->congested = bcf_io_congested (c->io);
   pthread_mutex_lock (&c->journal.lock);
   st->journal_seq = c->journal.seq;
   st->journal_last_seq = c->journal.last_seq;

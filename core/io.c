@@ -279,7 +279,18 @@ struct bcf_io {
   struct undo_rec **undo;       /* oldest first */
   size_t nundo, undo_cap;
   uint64_t flush_ids;
+
+  /* Congestion (bcache's congested_read/write_threshold_us): thresholds
+   * in microseconds (0 off), how congested the device is (<= 0, minus
+   * the milliseconds of slowness not yet forgiven, as bcache's
+   * c->congested) and when it was last slow (us, bcf_now_ns based). */
+  _Atomic unsigned cong_read_us, cong_write_us;
+  atomic_int congested;
+  _Atomic uint64_t congested_last_us;
 };
+
+/* bcache's CONGESTED_MAX: the most slowness remembered, ms. */
+#define CONGESTED_MAX 1024
 
 /* Per-I/O state carried from io_begin to io_end. */
 struct ioctx {
@@ -290,6 +301,7 @@ struct ioctx {
   bool cut;                     /* the power-cut write: die after it */
   struct undo_rec *rec;         /* this write's undo record */
   uint64_t flush_id;
+  uint64_t t0;                  /* start (ns), when congestion is tracked */
 };
 
 static void __attribute__ ((format (printf, 3, 4)))
@@ -684,10 +696,44 @@ seg_kind (const struct bcf_io_seg *seg)
   return seg->op == BCF_IO_READ ? K_READ : K_WRITE;
 }
 
+/* The threshold (us) an I/O of kind k is judged by, 0 if none. */
+static inline unsigned
+congestion_threshold (struct bcf_io *io, enum kind k)
+{
+  return k == K_READ
+    ? atomic_load_explicit (&io->cong_read_us, memory_order_relaxed)
+    : atomic_load_explicit (&io->cong_write_us, memory_order_relaxed);
+}
+
+/* bcache's bch_bbio_count_io_errors, its congestion part: an I/O slower
+ * than its threshold makes the device congested by its latency in ms
+ * (about: us / 1024, as bcache), up to CONGESTED_MAX in all; a fast one
+ * forgives one ms.  The updates are not atomic as a whole (nor are
+ * bcache's): a lost update only shifts the estimate a little. */
+static void
+congestion_account (struct bcf_io *io, enum kind k, uint64_t t0)
+{
+  const uint64_t now = bcf_now_ns ();
+  const int64_t us = (int64_t) (now - t0) / 1000;
+  int congested = atomic_load_explicit (&io->congested, memory_order_relaxed);
+
+  if (us > (int64_t) congestion_threshold (io, k)) {
+    int ms = (int) (us / 1024);
+    if (ms > CONGESTED_MAX + congested)
+      ms = CONGESTED_MAX + congested;
+    atomic_store_explicit (&io->congested_last_us, now / 1000,
+                           memory_order_relaxed);
+    atomic_fetch_sub_explicit (&io->congested, ms, memory_order_relaxed);
+  }
+  else if (congested < 0)
+    atomic_fetch_add_explicit (&io->congested, 1, memory_order_relaxed);
+}
+
 /* Before an I/O: returns 0 to go ahead, or the -errno it fails with. */
 static inline int
 io_begin (struct bcf_io *io, enum kind k, struct ioctx *c)
 {
+  c->t0 = congestion_threshold (io, k) ? bcf_now_ns () : 0;
   if (__builtin_expect (atomic_load_explicit (&io->armed,
                                               memory_order_acquire), 0))
     return fault_begin (io, k, c);
@@ -698,6 +744,8 @@ io_begin (struct bcf_io *io, enum kind k, struct ioctx *c)
 static inline void
 io_end (struct bcf_io *io, enum kind k, struct ioctx *c, int result)
 {
+  if (c->t0)
+    congestion_account (io, k, c->t0);
   if (result < 0) {
     count (&io->errors, 1);
     /* A short read or write (-EIO from a file that shrank) or any other
@@ -1414,6 +1462,76 @@ bcf_io_lost (struct bcf_io *io)
 {
   return atomic_load_explicit (&io->lost, memory_order_acquire)
          ? io->lost_why : NULL;
+}
+
+void
+bcf_io_set_congestion (struct bcf_io *io, unsigned read_us, unsigned write_us)
+{
+  atomic_store (&io->cong_read_us, read_us);
+  atomic_store (&io->cong_write_us, write_us);
+  if (!read_us && !write_us)
+    atomic_store (&io->congested, 0);
+}
+
+void
+bcf_io_get_congestion (struct bcf_io *io, unsigned *read_us,
+                       unsigned *write_us)
+{
+  *read_us = atomic_load (&io->cong_read_us);
+  *write_us = atomic_load (&io->cong_write_us);
+}
+
+/* bcache's fract_exp_two: 2^(x / 2^fract_bits), the fraction linear. */
+static unsigned
+fract_exp_two (unsigned x, unsigned fract_bits)
+{
+  unsigned fract = x & ~(~0u << fract_bits);
+
+  x >>= fract_bits;
+  x = 1u << x;
+  x += (x * fract) >> fract_bits;
+  return x;
+}
+
+/* A random 32-bit word for bcache's jitter: xorshift32, per thread. */
+static uint32_t
+jitter32 (void)
+{
+  static __thread uint32_t x;
+
+  if (x == 0)
+    x = (uint32_t) bcf_now_ns () | 1;
+  x ^= x << 13;
+  x ^= x >> 17;
+  x ^= x << 5;
+  return x;
+}
+
+unsigned
+bcf_io_congested (struct bcf_io *io)
+{
+  int64_t i;
+
+  if (!atomic_load_explicit (&io->cong_read_us, memory_order_relaxed) &&
+      !atomic_load_explicit (&io->cong_write_us, memory_order_relaxed))
+    return 0;
+  /* bcache's bch_get_congested: the slowness decays by 1 per ~ms since
+   * the last slow I/O; while some is left, the sectors from which a
+   * stream bypasses shrink exponentially with it, minus a little noise
+   * (the popcount of a random word), at least 1. */
+  i = ((int64_t) (bcf_now_ns () / 1000) -
+       (int64_t) atomic_load_explicit (&io->congested_last_us,
+                                       memory_order_relaxed)) / 1024;
+  if (i < 0)
+    return 0;
+  i += atomic_load_explicit (&io->congested, memory_order_relaxed);
+  if (i >= 0)
+    return 0;
+  i += CONGESTED_MAX;
+  if (i > 0)
+    i = fract_exp_two ((unsigned) i, 6);
+  i -= __builtin_popcount (jitter32 ());
+  return i > 0 ? (unsigned) i : 1;
 }
 
 uint64_t

@@ -236,6 +236,22 @@ extern const char *bcf_io_lost (struct bcf_io *io);
  * loads; bcache's io_count, which its error decay is measured in). */
 extern uint64_t bcf_io_count (struct bcf_io *io);
 
+/* ---- Congestion (bcache's congested_read/write_threshold_us) ------------ */
+
+/* Every read slower than read_us, and every write or flush slower than
+ * write_us, makes the device congested by its latency in milliseconds
+ * (at most 1024 remembered); faster I/Os and the time since the last slow
+ * one take it back.  0 disables a threshold; both 0 (the default after
+ * open) turn the tracking off, and then no I/O reads the clock for it. */
+extern void bcf_io_set_congestion (struct bcf_io *io, unsigned read_us,
+                                   unsigned write_us);
+extern void bcf_io_get_congestion (struct bcf_io *io, unsigned *read_us,
+                                   unsigned *write_us);
+/* bcache's bch_get_congested: 0 if the device is not congested, else the
+ * stream size in sectors from which requests should bypass the cache (the
+ * more congested, the smaller; with bcache's random jitter; at least 1). */
+extern unsigned bcf_io_congested (struct bcf_io *io);
+
 /* ---- Fault injection (tests) -------------------------------------------- */
 
 struct bcf_io_faults {

@@ -228,6 +228,10 @@ struct bcf_req {
   unsigned error_limit;
   _Atomic int mode;
   _Atomic uint64_t cutoff;
+  _Atomic int seq_bypass;       /* enum bcf_sequential_bypass */
+  _Atomic uint64_t bypass_sequential, bypass_congested, sequential_cached;
+  /* What a read costs, from the export and from the cache (cost_sample). */
+  struct read_cost { _Atomic uint64_t ns8, bytes8; } export_cost, cache_cost;
   _Atomic uint64_t device_errors;       /* all, never decayed */
   /* The decayed count (device_error): errors << ERROR_SHIFT, decayed up
    * to device I/O decayed_to; decay_ios = halflife / 88 (0: never). */
@@ -263,6 +267,8 @@ struct bcf_req {
   _Atomic uint64_t wb_writes, wb_cutoff_writes;
   atomic_bool failing;          /* errors past the limit, dirty data kept */
 };
+
+static uint64_t cost_per_kib (struct read_cost *k);
 
 /* What the request path decided about one request. */
 struct span {
@@ -553,6 +559,10 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     return NULL;
   }
   atomic_store (&r->cutoff, o->sequential_cutoff);
+  if (bcf_req_set_sequential_bypass (r, o->sequential_bypass) < 0) {
+    bcf_req_free (r);
+    return NULL;
+  }
   /* Dirty keys a crash left are written back before anything treats the
    * cache as clean; until then they are served as the newest data. */
   if (o->background) {
@@ -718,6 +728,38 @@ bcf_req_sequential_cutoff (struct bcf_req *r)
   return atomic_load (&r->cutoff);
 }
 
+int
+bcf_sequential_bypass_parse (const char *name)
+{
+  if (strcmp (name, "always") == 0)
+    return BCF_SEQUENTIAL_BYPASS_ALWAYS;
+  if (strcmp (name, "auto") == 0)
+    return BCF_SEQUENTIAL_BYPASS_AUTO;
+  return -1;
+}
+
+const char *
+bcf_sequential_bypass_name (enum bcf_sequential_bypass p)
+{
+  return p == BCF_SEQUENTIAL_BYPASS_AUTO ? "auto" : "always";
+}
+
+int
+bcf_req_set_sequential_bypass (struct bcf_req *r,
+                               enum bcf_sequential_bypass p)
+{
+  if (p != BCF_SEQUENTIAL_BYPASS_ALWAYS && p != BCF_SEQUENTIAL_BYPASS_AUTO)
+    return -EINVAL;
+  atomic_store (&r->seq_bypass, (int) p);
+  return 0;
+}
+
+enum bcf_sequential_bypass
+bcf_req_sequential_bypass (struct bcf_req *r)
+{
+  return (enum bcf_sequential_bypass) atomic_load (&r->seq_bypass);
+}
+
 bool
 bcf_req_passthrough (struct bcf_req *r)
 {
@@ -793,6 +835,11 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   st->write_wait_max_ns = m.wait_max_ns;
   st->writes_in_flight_peak = m.in_flight_peak;
   st->bypass_exact_checks = m.exact_checks;
+  st->bypass_sequential = atomic_load (&r->bypass_sequential);
+  st->bypass_congested = atomic_load (&r->bypass_congested);
+  st->sequential_cached = atomic_load (&r->sequential_cached);
+  st->export_read_ns_per_kib = cost_per_kib (&r->export_cost);
+  st->cache_read_ns_per_kib = cost_per_kib (&r->cache_cost);
   st->dirty_bytes = bcf_cache_dirty_bytes (r->c);
   {
     struct bcf_writeback_stats w = { 0 };
@@ -970,17 +1017,86 @@ device_error (struct bcf_req *r)
     go_passthrough (r);
 }
 
+/* ---- what a read costs ----------------------------------------------------------- */
+
+/* An EWMA (weight 1/8) of the time and the bytes of reads, so that
+ * ns8 / bytes8 is a cost per byte in which larger reads weigh more, as
+ * they do in a stream.  Relaxed loads and stores: two readers racing lose
+ * a sample, which an estimate can afford. */
+static void
+cost_sample (struct read_cost *k, uint64_t ns, uint64_t bytes)
+{
+  uint64_t n = atomic_load_explicit (&k->ns8, memory_order_relaxed);
+  uint64_t b = atomic_load_explicit (&k->bytes8, memory_order_relaxed);
+
+  atomic_store_explicit (&k->ns8, n - n / 8 + ns, memory_order_relaxed);
+  atomic_store_explicit (&k->bytes8, b - b / 8 + bytes, memory_order_relaxed);
+}
+
+/* ns per KiB, 0 if nothing was measured. */
+static uint64_t
+cost_per_kib (struct read_cost *k)
+{
+  uint64_t n = atomic_load_explicit (&k->ns8, memory_order_relaxed);
+  uint64_t b = atomic_load_explicit (&k->bytes8, memory_order_relaxed);
+
+  return b ? (uint64_t) ((double) n * 1024 / (double) b) : 0;
+}
+
+/* Does the export serve reads slower than the cache would?  The cache
+ * counts as faster until one of its hits was measured: a cache device is
+ * local, and a cold cache must not keep bcache's rule forever because it
+ * never caches a stream it could measure. */
+static bool
+export_slower (struct bcf_req *r)
+{
+  uint64_t e = cost_per_kib (&r->export_cost);
+  uint64_t k = cost_per_kib (&r->cache_cost);
+
+  return k == 0 || e > k;
+}
+
+static int
+timed_backing_pread (struct bcf_req *r, const struct bcf_backing *b,
+                     void *buf, uint64_t len, uint64_t offset)
+{
+  uint64_t t0 = bcf_now_ns ();
+  int rc = b->ops->pread (b->opaque, buf, (uint32_t) len, offset);
+
+  if (rc == 0)
+    cost_sample (&r->export_cost, bcf_now_ns () - t0, len);
+  return rc;
+}
+
 /* Should this request go around the cache (bcache's check_should_bypass)?
- * Accounts the request in the stream table. */
+ * Accounts the request in the stream table.  bcache's two reasons: a
+ * stream past the sequential cutoff, and a stream past the size that a
+ * congested cache device allows (bcf_cache_congested).  With
+ * BCF_SEQUENTIAL_BYPASS_AUTO neither applies while the export is slower
+ * than the cache: bypassing would send the stream to the slower side. */
 static bool
 should_bypass (struct bcf_req *r, uint64_t offset, uint64_t count)
 {
   uint64_t cutoff = atomic_load (&r->cutoff);
   uint64_t stream = bcf_seqdetect_account (r->seq, offset, count);
+  unsigned congested;
+  bool seq;
 
   if (atomic_load (&r->mode) == BCF_MODE_NONE)
     return true;
-  return cutoff > 0 && stream >= cutoff;
+  seq = cutoff > 0 && stream >= cutoff;
+  congested = seq ? 0 : bcf_cache_congested (r->c);
+  if (!seq && !(congested && stream >> BCH_SECTOR_SHIFT >= congested))
+    return false;
+  if (atomic_load (&r->seq_bypass) == BCF_SEQUENTIAL_BYPASS_AUTO &&
+      export_slower (r)) {
+    atomic_fetch_add_explicit (&r->sequential_cached, 1,
+                               memory_order_relaxed);
+    return false;
+  }
+  atomic_fetch_add_explicit (seq ? &r->bypass_sequential
+                             : &r->bypass_congested, 1, memory_order_relaxed);
+  return true;
 }
 
 static int
@@ -1011,7 +1127,7 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
   int rc;
 
   if (bypass || cache_off (r))
-    return backing_pread (b, buf, e->len, e->offset);
+    return timed_backing_pread (r, b, buf, e->len, e->offset);
   rc = bcf_miss_begin (r->c, e->offset, e->len, &m);
   if (rc < 0) {
     /* -EEXIST: a write put dirty data there since our lookup; it was not
@@ -1026,7 +1142,7 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
     bcf_miss_cancel (r->c, &m);
     return backing_pread (b, buf, e->len, e->offset);
   }
-  rc = backing_pread (b, buf, e->len, e->offset);
+  rc = timed_backing_pread (r, b, buf, e->len, e->offset);
   if (rc < 0) {
     bcf_miss_cancel (r->c, &m);
     return rc;
@@ -1040,7 +1156,11 @@ static int
 read_hit (struct bcf_req *r, const struct bcf_backing *b,
           const struct bcf_extent *e, void *buf)
 {
+  uint64_t t0 = bcf_now_ns ();
   int rc = bcf_read_hit (r->c, e, buf);
+
+  if (rc == 0)
+    cost_sample (&r->cache_cost, bcf_now_ns () - t0, e->len);
 
   /* A device found changed while we read it may have given us a hole's
    * zeros: the backing store has the data (clean hits only). */

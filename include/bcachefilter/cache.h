@@ -422,9 +422,28 @@ struct bcf_cache_stats {
    * (gc.c: the slice rule). */
   uint64_t gc_slice_nodes_last, gc_slice_nodes_max, gc_slices_busy;
   uint64_t requests_in_flight;   /* foreground requests in the engine now */
+  /* bcache's congestion tracking (bcf_cache_set_congestion): the
+   * thresholds in microseconds, and "congested", the stream size in
+   * sectors from which requests bypass now (0: not congested). */
+  unsigned congested_read_threshold_us, congested_write_threshold_us;
+  unsigned congested;
 };
 
 void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);
+
+/* bcache's congested_read_threshold_us / congested_write_threshold_us:
+ * cache-device reads slower than read_us, and writes or flushes slower
+ * than write_us, make the cache "congested", and while it is, requests
+ * of sequential streams above a size that shrinks the more congested it
+ * is bypass the cache (the request layer's should_bypass).  0 disables a
+ * threshold; both 0, the default of an open cache, turn it off (bcache's
+ * defaults are 2000 and 20000; the filter sets them). */
+void bcf_cache_set_congestion (struct bcf_cache *c, unsigned read_us,
+                               unsigned write_us);
+/* 0 if the cache device is not congested, else the stream size in
+ * sectors from which requests should bypass it (bcache's
+ * bch_get_congested, with its random jitter). */
+unsigned bcf_cache_congested (struct bcf_cache *c);
 
 #pragma GCC visibility pop
 

@@ -44,9 +44,24 @@ const char *bcf_cache_mode_name (enum bcf_cache_mode m);
 
 struct bcf_req;
 
+/* When a sequential stream past the cutoff (or a congested cache's
+ * threshold) goes around the cache. */
+enum bcf_sequential_bypass {
+  /* bcache's rule: always.  It assumes the backing store streams as fast
+   * as the cache device, as a local disk does. */
+  BCF_SEQUENTIAL_BYPASS_ALWAYS = 0,
+  /* Only while the export serves reads no slower than the cache device
+   * (per byte, measured: EWMAs of the backing store's reads and of the
+   * cache's hits; the cache counts as faster until a hit was measured).
+   * A NAS behind a network is slower than a local SSD, so its streams
+   * are cached and a second pass reads the SSD. */
+  BCF_SEQUENTIAL_BYPASS_AUTO,
+};
+
 struct bcf_req_opts {
   enum bcf_cache_mode mode;
   uint64_t sequential_cutoff;   /* bytes; 0 disables */
+  enum bcf_sequential_bypass sequential_bypass;
   /* Cache-device errors tolerated before the cache is switched to pass
    * through (every error is served from the backing store anyway);
    * 0 = 64.  Errors decay as bcache's io_errors do: an error counts
@@ -92,6 +107,13 @@ int bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m);
 enum bcf_cache_mode bcf_req_mode (struct bcf_req *r);
 void bcf_req_set_sequential_cutoff (struct bcf_req *r, uint64_t bytes);
 uint64_t bcf_req_sequential_cutoff (struct bcf_req *r);
+/* Returns 0, or -EINVAL for a value that is not a policy. */
+int bcf_req_set_sequential_bypass (struct bcf_req *r,
+                                   enum bcf_sequential_bypass p);
+enum bcf_sequential_bypass bcf_req_sequential_bypass (struct bcf_req *r);
+/* "auto" or "always" (bcache's), and back: -1 for another name. */
+int bcf_sequential_bypass_parse (const char *name);
+const char *bcf_sequential_bypass_name (enum bcf_sequential_bypass p);
 /* Writeback knobs (bcache's names): writeback_percent 0..100,
  * writeback_delay seconds, writeback_running, writeback_rate_update_seconds
  * 1..60.  Return 0 or -EINVAL (a value out of range), -ENOTSUP (no
@@ -155,6 +177,13 @@ struct bcf_req_stats {
   uint64_t writes_in_flight_peak;
   uint64_t bypass_exact_checks; /* misses in a chunk with a write in
                                    flight: the exact ranges decided */
+  /* Why requests went around the cache (should_bypass), and the stream
+   * requests that did not because the export is slower than the cache
+   * (BCF_SEQUENTIAL_BYPASS_AUTO). */
+  uint64_t bypass_sequential, bypass_congested, sequential_cached;
+  /* The costs compared: nanoseconds per KiB read from the export and
+   * from the cache (EWMAs; 0: nothing measured yet). */
+  uint64_t export_read_ns_per_kib, cache_read_ns_per_kib;
   uint64_t dirty_bytes;         /* dirty data in the cache */
   uint64_t writeback_keys_done, writeback_keys_failed, writeback_bytes,
            writeback_backing_errors, writeback_read_errors,

@@ -1423,6 +1423,130 @@ END_TEST
 
 /* ---- main ------------------------------------------------------------------------- */
 
+/* ---- bypass that pays off (issue 15 point 4) ------------------------------------ */
+
+/* Read [off, off + len) in 64 KiB requests, in order. */
+static void
+read_stream (struct fx *f, uint64_t off, uint64_t len)
+{
+  static uint8_t buf[65536];
+
+  for (uint64_t p = off; p < off + len; p += sizeof buf)
+    ck_assert_int_eq (bcf_req_read (f->r, &f->b, buf, sizeof buf, p), 0);
+  bcf_req_drain (f->r);
+}
+
+/* Make sure a cache read was measured: read a block twice. */
+static void
+measure_a_hit (struct fx *f, uint64_t off)
+{
+  uint8_t buf[BLOCK];
+
+  ck_assert_int_eq (bcf_req_read (f->r, &f->b, buf, sizeof buf, off), 0);
+  bcf_req_drain (f->r);
+  ck_assert_int_eq (bcf_req_read (f->r, &f->b, buf, sizeof buf, off), 0);
+}
+
+/* A stream past the cutoff: bcache's rule bypasses it whatever the
+ * export's speed; "auto" caches it while the export is slower than the
+ * cache (a second pass then reads the cache), and still bypasses it when
+ * the export is the faster side.  Negative control: with export_slower
+ * returning false, the slow export's stream is not cached. */
+START_TEST (sequential_bypass_policy)
+{
+  struct fx f;
+  struct bcf_req_stats rs;
+  struct bcf_io_faults slow = { .delay_us = 2000 };
+  const uint64_t len = 2 * MiB, cutoff = 256 * 1024;
+
+  fx_init (&f, "seqpolicy.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  bcf_req_set_sequential_cutoff (f.r, cutoff);
+  ck_assert_int_eq (bcf_req_sequential_bypass (f.r),
+                    BCF_SEQUENTIAL_BYPASS_ALWAYS);
+  mem_backing_set_read_latency (f.mb, 5000);     /* a remote: 5 ms a read */
+
+  /* bcache's rule: the stream past the cutoff is not cached. */
+  read_stream (&f, 0, len);
+  ck_assert (cached (&f, 0, cutoff - 65536));   /* below the cutoff */
+  ck_assert (!cached (&f, len - 65536, 65536));
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_gt (rs.bypass_sequential, 0);
+  ck_assert_uint_eq (rs.sequential_cached, 0);
+
+  /* auto, the export slower than the cache: cached whole. */
+  ck_assert_int_eq (bcf_req_set_sequential_bypass (f.r,
+                                                   BCF_SEQUENTIAL_BYPASS_AUTO),
+                    0);
+  measure_a_hit (&f, 0);
+  read_stream (&f, 8 * MiB, len);
+  ck_assert_msg (cached (&f, 8 * MiB, len), "auto: a stream from an export "
+                 "slower than the cache was not cached");
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_gt (rs.sequential_cached, 0);
+  ck_assert_uint_gt (rs.export_read_ns_per_kib, rs.cache_read_ns_per_kib);
+  ck_assert_uint_gt (rs.cache_read_ns_per_kib, 0);
+
+  /* auto, the export faster than the cache (a slow device): bypassed. */
+  mem_backing_set_read_latency (f.mb, 0);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &slow);
+  for (int i = 0; i < 16; i++)        /* let both averages settle */
+    measure_a_hit (&f, 0);
+  read_stream (&f, 16 * MiB, len);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_msg (rs.export_read_ns_per_kib < rs.cache_read_ns_per_kib,
+                 "export %" PRIu64 " ns/KiB, cache %" PRIu64 " ns/KiB",
+                 rs.export_read_ns_per_kib, rs.cache_read_ns_per_kib);
+  ck_assert_msg (!cached (&f, 16 * MiB + len - 65536, 65536),
+                 "auto: a stream from an export faster than the cache was "
+                 "cached");
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  fx_free (&f);
+}
+END_TEST
+
+/* bcache's congestion: cache-device I/O slower than its threshold makes
+ * the cache congested, and then even short streams bypass it; once the
+ * device is fast again, the congestion is forgotten within about a
+ * second and reads are cached again.  Off (thresholds 0) by default. */
+START_TEST (congestion_bypass)
+{
+  struct fx f;
+  struct bcf_req_stats rs;
+  struct bcf_cache_stats cs;
+  struct bcf_io_faults slow = { .delay_us = 50000 };
+  uint8_t buf[BLOCK];
+  unsigned congested = 0;
+
+  fx_init (&f, "congest.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  measure_a_hit (&f, 0);
+  bcf_cache_stats (f.c, &cs);
+  ck_assert_uint_eq (cs.congested_read_threshold_us, 0);
+  ck_assert_uint_eq (bcf_cache_congested (f.c), 0);
+
+  bcf_cache_set_congestion (f.c, 2000, 20000);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), &slow);
+  /* 25 reads of 50 ms: more than the 1024 ms bcache remembers. */
+  for (int i = 0; i < 25; i++)
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, sizeof buf, 0), 0);
+  bcf_io_set_faults (bcf_cache_test_io (f.c), NULL);
+  congested = bcf_cache_congested (f.c);
+  ck_assert_msg (congested > 0 && congested <= 64, "congested %u", congested);
+  /* A miss now bypasses: not cached. */
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, sizeof buf, 4 * MiB), 0);
+  ck_assert (!cached (&f, 4 * MiB, BLOCK));
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_gt (rs.bypass_congested, 0);
+
+  /* About 1024 ms after the last slow I/O nothing is left. */
+  usleep (1100 * 1000);
+  ck_assert_uint_eq (bcf_cache_congested (f.c), 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, buf, sizeof buf, 4 * MiB), 0);
+  ck_assert (cached (&f, 4 * MiB, BLOCK));
+  fx_free (&f);
+}
+END_TEST
+
 static Suite *
 request_suite (void)
 {
@@ -1457,6 +1581,8 @@ request_suite (void)
   ADD (fill_queue_full_drops);
   ADD (threaded_random);
   ADD (gc_slices_shrink_under_load);
+  ADD (sequential_bypass_policy);
+  ADD (congestion_bypass);
 #undef ADD
   return s;
 }
