@@ -30,6 +30,11 @@
  *                                           digits with an optional k, M or
  *                                           G suffix (powers of 1024, either
  *                                           case), 0 disables
+ *   set sequential_bypass auto|always       ops->set, as it is
+ *   set congested_read_threshold_us N,
+ *   set congested_write_threshold_us N,
+ *   set writeback_percent N (and the other
+ *   writeback_ knobs)                       ops->set; N whole decimal
  *   trigger_gc (or trigger-gc)              ops->trigger_gc
  *   show super [--json]                     ops->show_super
  *   help                                    the list above
@@ -464,9 +469,12 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
 
   /* cache_mode is passed on as it is: the filter's parser is the one
    * place that knows the modes (and why writeback is refused). */
-  if (strcmp (name, "cache_mode") == 0)
+  if (strcmp (name, "cache_mode") == 0 ||
+      strcmp (name, "sequential_bypass") == 0)
     ;
-  else if (strcmp (name, "writeback_percent") == 0 ||
+  else if (strcmp (name, "congested_read_threshold_us") == 0 ||
+           strcmp (name, "congested_write_threshold_us") == 0 ||
+           strcmp (name, "writeback_percent") == 0 ||
            strcmp (name, "writeback_delay") == 0 ||
            strcmp (name, "writeback_running") == 0 ||
            strcmp (name, "writeback_rate_update_seconds") == 0) {
@@ -493,8 +501,10 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
   }
   else {
     reply_error (r, "unknown setting '%s': valid settings are cache_mode, "
-                 "sequential_cutoff, writeback_percent, writeback_delay, "
-                 "writeback_running and writeback_rate_update_seconds",
+                 "sequential_cutoff, sequential_bypass, "
+                 "congested_read_threshold_us, congested_write_threshold_us, "
+                 "writeback_percent, writeback_delay, writeback_running and "
+                 "writeback_rate_update_seconds",
                  quote (name, q, sizeof q));
     return;
   }
@@ -513,6 +523,9 @@ static const char help_text[] =
   "stats [--json]              hit/miss/bypass counters (total, five_minute, hour, day)\n"
   "set cache_mode MODE         MODE: writethrough, writeback, writearound or none\n"
   "set sequential_cutoff SIZE  bytes, or with a k, M or G suffix; 0 disables\n"
+  "set sequential_bypass P     auto (not while the export is slower) or always\n"
+  "set congested_read_threshold_us N   cache reads slower than this congest\n"
+  "set congested_write_threshold_us N  ... writes; 0 disables\n"
   "set writeback_percent N     writeback: dirty share to keep, 0-100\n"
   "set writeback_delay S       writeback: pause after a full pass\n"
   "set writeback_running 0|1   writeback: pause or resume the writeback\n"

@@ -12,6 +12,8 @@
  *   stats [--json]
  *   set cache_mode writethrough|writearound|none|writeback
  *   set sequential_cutoff SIZE          (bytes, or with k/M/G suffix; 0 off)
+ *   set sequential_bypass auto|always
+ *   set congested_read_threshold_us|congested_write_threshold_us N
  *   set writeback_percent|writeback_delay|writeback_running|
  *       writeback_rate_update_seconds N
  *   trigger_gc

@@ -121,6 +121,39 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
     nbdkit_debug ("bcachefilter: sequential_cutoff set to %llu", v);
     return 0;
   }
+  if (strcmp (name, "sequential_bypass") == 0) {
+    int p = bcf_sequential_bypass_parse (value);
+    if (p < 0) {
+      snprintf (err, errlen, "sequential_bypass '%s': auto or always", value);
+      return -1;
+    }
+    bcf_req_set_sequential_bypass (req, (enum bcf_sequential_bypass) p);
+    nbdkit_debug ("bcachefilter: sequential_bypass set to %s", value);
+    return 0;
+  }
+  if (strcmp (name, "congested_read_threshold_us") == 0 ||
+      strcmp (name, "congested_write_threshold_us") == 0) {
+    struct bcf_cache_stats cs;
+    char *end;
+    unsigned long v;
+
+    errno = 0;
+    v = strtoul (value, &end, 10);
+    if (errno || end == value || *end || v > UINT32_MAX) {
+      snprintf (err, errlen, "%s '%s': give a number of microseconds "
+                "(0 disables)", name, value);
+      return -1;
+    }
+    bcf_cache_stats (cache, &cs);
+    if (strcmp (name, "congested_read_threshold_us") == 0)
+      cs.congested_read_threshold_us = (unsigned) v;
+    else
+      cs.congested_write_threshold_us = (unsigned) v;
+    bcf_cache_set_congestion (cache, cs.congested_read_threshold_us,
+                              cs.congested_write_threshold_us);
+    nbdkit_debug ("bcachefilter: %s set to %lu", name, v);
+    return 0;
+  }
   if (strncmp (name, "writeback_", 10) == 0) {
     char *end;
     unsigned long v;
@@ -156,8 +189,10 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
     return r < 0 ? -1 : 0;
   }
   snprintf (err, errlen, "unknown setting '%s'; settable: cache_mode, "
-            "sequential_cutoff, writeback_percent, writeback_delay, "
-            "writeback_running, writeback_rate_update_seconds", name);
+            "sequential_cutoff, sequential_bypass, "
+            "congested_read_threshold_us, congested_write_threshold_us, "
+            "writeback_percent, writeback_delay, writeback_running, "
+            "writeback_rate_update_seconds", name);
   return -1;
 }
 
@@ -242,7 +277,20 @@ static const struct bcf_backing_ops open_ops = { .size = open_size_fn };
 struct req_settings {
   enum bcf_cache_mode mode;
   uint64_t cutoff;
+  enum bcf_sequential_bypass seq_bypass;
+  unsigned congested_read_us, congested_write_us;
 };
+
+/* The settings as the parameters give them, before any change at run
+ * time through the control socket. */
+static struct req_settings
+configured_settings (void)
+{
+  return (struct req_settings) {
+    cfg.mode, (uint64_t) cfg.cutoff, cfg.seq_bypass,
+    cfg.congested_read_us, cfg.congested_write_us,
+  };
+}
 
 /* Open the cache for an export of size bytes whose identity is uuid
  * (zero: none yet; ignored for a backing device, bdev), and its request
@@ -293,6 +341,9 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   ro.mode = s->mode;
   ro.offset = data_offset;
   ro.sequential_cutoff = s->cutoff;
+  ro.sequential_bypass = s->seq_bypass;
+  bcf_cache_set_congestion (cache, s->congested_read_us,
+                            s->congested_write_us);
   ro.error_limit = cfg.error_limit;
   ro.error_halflife = cfg.error_halflife;
   ro.writeback_percent = cfg.writeback_percent;
@@ -376,7 +427,7 @@ int
 filter_after_fork (nbdkit_backend *backend)
 {
   static const uint8_t no_export[16];
-  const struct req_settings s = { cfg.mode, (uint64_t) cfg.cutoff };
+  const struct req_settings s = configured_settings ();
   uint64_t size = 0;
   char err[512];
 
@@ -531,12 +582,18 @@ first_connection (const struct bcf_backing *b, uint64_t size)
     return 0;                   /* opened in .after_fork for this export */
   r = probe_backing_device (b);
   if (r == 0) {
-    struct req_settings s = { cfg.mode, (uint64_t) cfg.cutoff };
+    struct req_settings s = configured_settings ();
 
     pthread_rwlock_wrlock (&state_lock);
     if (req) {
+      struct bcf_cache_stats cs;
+
+      bcf_cache_stats (cache, &cs);
       s.mode = bcf_req_mode (req);
       s.cutoff = bcf_req_sequential_cutoff (req);
+      s.seq_bypass = bcf_req_sequential_bypass (req);
+      s.congested_read_us = cs.congested_read_threshold_us;
+      s.congested_write_us = cs.congested_write_threshold_us;
     }
     close_engine ();
     r = open_engine (cfg.uuid, size, BCF_FORMAT_NEVER, &s);

@@ -17,6 +17,9 @@ struct filter_config cfg = {
   .format = BCF_FORMAT_AUTO,
   .mode = BCF_MODE_WRITETHROUGH,
   .cutoff = DEFAULT_CUTOFF,
+  .seq_bypass = BCF_SEQUENTIAL_BYPASS_AUTO,
+  .congested_read_us = 2000,            /* bcache's defaults */
+  .congested_write_us = 20000,
   .direct = true,
   .bdev_auto = true,
   .write_intent = true,
@@ -189,6 +192,20 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
     return parse_pow2_param (key, value, 512, 64 << 10, &cfg.block_size);
   else if (strcmp (key, "bcache-sequential-cutoff") == 0)
     return parse_size_param (key, value, 0, &cfg.cutoff);
+  else if (strcmp (key, "bcache-sequential-bypass") == 0) {
+    int p = bcf_sequential_bypass_parse (value);
+    if (p < 0) {
+      nbdkit_error ("bcache-sequential-bypass=%s: use auto (bypass long "
+                    "streams only while the export is no slower than the "
+                    "cache) or always (bcache's rule)", value);
+      return -1;
+    }
+    cfg.seq_bypass = (enum bcf_sequential_bypass) p;
+  }
+  else if (strcmp (key, "bcache-congested-read-threshold-us") == 0)
+    return nbdkit_parse_unsigned (key, value, &cfg.congested_read_us);
+  else if (strcmp (key, "bcache-congested-write-threshold-us") == 0)
+    return nbdkit_parse_unsigned (key, value, &cfg.congested_write_us);
   else if (strcmp (key, "bcache-backing-uuid") == 0) {
     if (bch_uuid_parse (value, cfg.uuid) != 0) {
       nbdkit_error ("bcache-backing-uuid=%s: not a UUID (expected the form "

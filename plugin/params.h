@@ -29,6 +29,9 @@ struct filter_config {
   enum bcf_cache_mode mode;             /* bcache-mode= */
   int64_t bucket_size, block_size;      /* bytes; 0 = default */
   int64_t cutoff;                       /* bcache-sequential-cutoff= */
+  enum bcf_sequential_bypass seq_bypass;  /* bcache-sequential-bypass= */
+  unsigned congested_read_us;           /* bcache-congested-read-... */
+  unsigned congested_write_us;          /* bcache-congested-write-... */
   bool have_uuid;
   uint8_t uuid[16];                     /* bcache-backing-uuid=, or derived */
   bool bdev_auto;                       /* bcache-backing-device=auto */
@@ -66,6 +69,11 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "bcache-bucket-size=SIZE     bucket size when formatting (512K)\n" \
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \
+  "bcache-sequential-bypass=auto|always  auto: not while the export is\n" \
+  "                            slower than the cache (auto)\n" \
+  "bcache-congested-read-threshold-us=N  bypass more while cache reads\n" \
+  "                            take longer (2000; 0 off)\n" \
+  "bcache-congested-write-threshold-us=N  ... writes (20000; 0 off)\n" \
   "bcache-backing-uuid=UUID    identity of the export in the cache\n" \
   "bcache-backing-device=auto|never  serve a bcache backing device's data\n" \
   "bcache-io=uring|sync|auto   cache device I/O (auto)\n" \

@@ -131,9 +131,11 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
 
   if (json) {
     fprintf (fp, "{\"cache_mode\": \"%s\", \"sequential_cutoff\": %" PRIu64
-             ", \"passthrough\": %s, ",
+             ", \"sequential_bypass\": \"%s\", \"passthrough\": %s, ",
              bcf_cache_mode_name (bcf_req_mode (req)),
-             bcf_req_sequential_cutoff (req), rs.passthrough ? "true" : "false");
+             bcf_req_sequential_cutoff (req),
+             bcf_sequential_bypass_name (bcf_req_sequential_bypass (req)),
+             rs.passthrough ? "true" : "false");
     /* The totals at the top level too, under bcache's names. */
     for (int k = 0; k < BCF_STAT__COUNT; k++)
       fprintf (fp, "\"%s\": %" PRIu64 ", ",
@@ -146,6 +148,8 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
              bcf_cache_mode_name (bcf_req_mode (req)));
     fprintf (fp, "%-28s %" PRIu64 "\n", "sequential_cutoff",
              bcf_req_sequential_cutoff (req));
+    fprintf (fp, "%-28s %s\n", "sequential_bypass",
+             bcf_sequential_bypass_name (bcf_req_sequential_bypass (req)));
     fprintf (fp, "%-28s %s\n", "passthrough", rs.passthrough ? "yes" : "no");
     print_views (fp, json, req);
     fprintf (fp, "[cache]\n");
@@ -212,6 +216,18 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
              &first);
   print_u64 (fp, json, "tracker_exact_checks", rs.bypass_exact_checks,
              &first);
+  print_u64 (fp, json, "bypass_sequential", rs.bypass_sequential, &first);
+  print_u64 (fp, json, "bypass_congested", rs.bypass_congested, &first);
+  print_u64 (fp, json, "sequential_cached", rs.sequential_cached, &first);
+  print_u64 (fp, json, "export_read_ns_per_kib", rs.export_read_ns_per_kib,
+             &first);
+  print_u64 (fp, json, "cache_read_ns_per_kib", rs.cache_read_ns_per_kib,
+             &first);
+  print_u64 (fp, json, "congested", st.congested, &first);
+  print_u64 (fp, json, "congested_read_threshold_us",
+             st.congested_read_threshold_us, &first);
+  print_u64 (fp, json, "congested_write_threshold_us",
+             st.congested_write_threshold_us, &first);
   print_u64 (fp, json, "writeback_keys_done", rs.writeback_keys_done,
              &first);
   print_u64 (fp, json, "writeback_keys_failed", rs.writeback_keys_failed,

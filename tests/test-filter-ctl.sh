@@ -132,6 +132,27 @@ st=0; C set sequential_cutoff lots > "$d/cut.out" 2>&1 || st=$?
 cat "$d/cut.out"
 test "$st" -eq 1 || fail "set sequential_cutoff lots: exit status $st, not 1"
 
+# sequential_bypass (auto by default) and bcache's congestion thresholds
+# (2000 and 20000 us by default).
+test "$(s sequential_bypass)" = auto || fail "sequential_bypass is not auto"
+C set sequential_bypass always
+test "$(s sequential_bypass)" = always ||
+    fail "sequential_bypass did not change"
+st=0; C set sequential_bypass sometimes > "$d/sb.out" 2>&1 || st=$?
+test "$st" -eq 1 || fail "set sequential_bypass sometimes: exit status $st"
+test "$(s congested_read_threshold_us)" = 2000 ||
+    fail "congested_read_threshold_us is not bcache's 2000"
+test "$(s congested_write_threshold_us)" = 20000 ||
+    fail "congested_write_threshold_us is not bcache's 20000"
+C set congested_read_threshold_us 0
+C set congested_write_threshold_us 0
+test "$(s congested_read_threshold_us)" = 0 ||
+    fail "congested_read_threshold_us did not change"
+test "$(s congested)" = 0 || fail "congested with the tracking off"
+C set congested_read_threshold_us 2000
+C set congested_write_threshold_us 20000
+C set sequential_bypass auto
+
 # trigger_gc, show super, an unknown command.
 C trigger_gc
 C show super > "$d/super"

@@ -23,6 +23,8 @@ for p in bcache bcache-size bcache-format bcache-mode bcache-bucket-size \
          bcache-backing-device bcache-io bcache-direct bcache-ctl \
          bcache-node-cache bcache-journal-delay bcache-write-intent \
          bcache-error-limit bcache-error-halflife \
+         bcache-sequential-bypass bcache-congested-read-threshold-us \
+         bcache-congested-write-threshold-us \
          bcache-test-disable-tracker; do
     # "NAME=VALUE   description" at the start of a line.
     grep -Eq "^$p=[^ ]+ +[^ ]" "$d/help" ||

@@ -89,6 +89,11 @@ usage (FILE *fp)
            "                              or none\n"
            "  set sequential_cutoff SIZE  bytes, or with a k, M or G suffix;\n"
            "                              0 disables\n"
+           "  set sequential_bypass P     auto (not while the export is\n"
+           "                              slower than the cache) or always\n"
+           "  set congested_read_threshold_us N   cache reads slower than\n"
+           "                              this congest it (0 disables)\n"
+           "  set congested_write_threshold_us N  ... writes\n"
            "  set writeback_percent N     writeback: dirty share to keep\n"
            "  set writeback_delay S       writeback: pause after a full pass\n"
            "  set writeback_running 0|1   writeback: pause or resume\n"
@@ -133,6 +138,23 @@ is_json (const char *arg)
 
 /* Check the command words; on success the words to send are
  * args[0..nargs), with args[0] possibly rewritten (trigger-gc). */
+/* The settings the filter takes (plugin/ctl.c checks their values). */
+static bool
+is_setting (const char *name)
+{
+  static const char *const names[] = {
+    "cache_mode", "sequential_cutoff", "sequential_bypass",
+    "congested_read_threshold_us", "congested_write_threshold_us",
+    "writeback_percent", "writeback_delay", "writeback_running",
+    "writeback_rate_update_seconds", NULL,
+  };
+
+  for (const char *const *n = names; *n; n++)
+    if (strcmp (name, *n) == 0)
+      return true;
+  return false;
+}
+
 static int
 check_command (int nargs, char **args)
 {
@@ -147,14 +169,11 @@ check_command (int nargs, char **args)
     if (nargs != 3)
       return usage_error ("usage: set cache_mode MODE, or set "
                           "sequential_cutoff SIZE");
-    if (strcmp (args[1], "cache_mode") != 0 &&
-        strcmp (args[1], "sequential_cutoff") != 0 &&
-        strcmp (args[1], "writeback_percent") != 0 &&
-        strcmp (args[1], "writeback_delay") != 0 &&
-        strcmp (args[1], "writeback_running") != 0 &&
-        strcmp (args[1], "writeback_rate_update_seconds") != 0)
+    if (!is_setting (args[1]))
       return usage_error ("set: unknown setting '%s': valid settings are "
-                          "cache_mode, sequential_cutoff, writeback_percent, "
+                          "cache_mode, sequential_cutoff, sequential_bypass, "
+                          "congested_read_threshold_us, "
+                          "congested_write_threshold_us, writeback_percent, "
                           "writeback_delay, writeback_running and "
                           "writeback_rate_update_seconds", args[1]);
     return -1;
