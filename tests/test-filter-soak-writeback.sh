@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# bcachefilter: the soak of the real nbdkit process (test-filter-soak.sh)
+# in writeback mode only: 30 kill -9 of a writeback proxy under 4
+# libnbd connections of random writes, reads, trims, zeroes, NBD_CMD_CACHE
+# and flushes, each restart checked against the model (every write
+# acknowledged before the last completed flush is there, nothing older
+# than it anywhere; the export is not the truth while data is dirty),
+# fsck and --verify of every killed cache; then the dirty data drained
+# and the export compared with the model (issue 14: "kill -9 ... 30
+# cycles in make check").  Longer runs: bench/soak.sh.
+export SOAK_MODES=writeback
+export SOAK_MIN_ROUNDS="${SOAK_MIN_ROUNDS:-30}"
+export BCACHEFILTER_SOAK_SECONDS="${BCACHEFILTER_SOAK_SECONDS:-0}"
+exec bash "$(dirname "$0")/test-filter-soak.sh"
