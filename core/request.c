@@ -265,6 +265,7 @@ struct bcf_req {
   struct bcf_writeback_stats wb_hand;
   pthread_mutex_t wb_hand_lock;
   _Atomic uint64_t wb_writes, wb_cutoff_writes;
+  uint64_t capacity_bytes;      /* of the cache's buckets */
   atomic_bool failing;          /* errors past the limit, dirty data kept */
 };
 
@@ -540,6 +541,11 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->offset = o->offset;
   r->size = bcf_cache_backing_size (c);
   r->cache_end = r->size / r->block * r->block;
+  {
+    struct bcf_cache_stats cs;
+    bcf_cache_stats (c, &cs);
+    r->capacity_bytes = cs.nbuckets * cs.bucket_bytes;
+  }
   r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
   pthread_mutex_init (&r->error_lock, NULL);
   pthread_mutex_init (&r->wb_hand_lock, NULL);
@@ -1462,6 +1468,17 @@ static bool
 should_write_back (struct bcf_req *r, bool bypass, bool dirty, bool fua)
 {
   unsigned in_use = r->wb ? bcf_writeback_in_use (r->wb) : 0;
+  /* The controller measures the buckets in use only every
+   * writeback_rate_update_seconds (and not at all without a thread); the
+   * dirty data is a counter, and its share of the cache is a lower bound
+   * of the buckets it takes.  Without it a write flood in the first
+   * seconds filled the whole cache with dirty data, leaving no free bucket
+   * for the metadata an open after a crash must write. */
+  unsigned dirty_share = r->capacity_bytes
+    ? (unsigned) (bcf_cache_dirty_bytes (r->c) * 100 / r->capacity_bytes) : 0;
+
+  if (dirty_share > in_use)
+    in_use = dirty_share;
 
   if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
       atomic_load (&r->failing))

@@ -508,6 +508,50 @@ START_TEST (cutoff_writes_through)
 }
 END_TEST
 
+/* bcache's cutoffs hold from the first write on, not only once the rate
+ * controller has measured the cache (every writeback_rate_update_seconds,
+ * and never without a writeback thread): a proxy restarted under a write
+ * flood filled its whole cache with dirty data within a round of the
+ * soak, and after the next crash the open found no free bucket for its
+ * prio write ("writing prio buckets failed: No space left on device"):
+ * the dirty data could not be reached.  Dirty data stays under
+ * cutoff_writeback_sync of the cache, the rest is written through, and a
+ * crash then reopens.  Negative control: with should_write_back reading
+ * only the controller's figure, dirty_bytes reaches 60 MiB of 64. */
+START_TEST (dirty_data_never_fills_the_cache)
+{
+  struct fx f;
+  static uint8_t buf[1 << 20], got[1 << 20];
+  struct bcf_req_stats rs;
+  struct bcf_cache_stats cs;
+  const uint64_t total = 60 * MiB;
+
+  fx_init (&f, "flood.img", 128 * MiB, BCF_MODE_WRITEBACK);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  bcf_cache_stats (f.c, &cs);
+  for (uint64_t off = 0; off < total; off += sizeof buf) {
+    memset (buf, (int) (off / MiB) + 1, sizeof buf);
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, false),
+                      0);
+  }
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_msg (rs.dirty_bytes * 100 <= cs.nbuckets * cs.bucket_bytes *
+                 BCF_WB_CUTOFF_SYNC + 100 * sizeof buf,
+                 "%" PRIu64 " bytes dirty in a cache of %" PRIu64,
+                 rs.dirty_bytes, cs.nbuckets * cs.bucket_bytes);
+  ck_assert_uint_gt (rs.writeback_cutoff_writes, 0);
+  fx_crash (&f);
+  for (uint64_t off = 0; off < total; off += sizeof buf) {
+    memset (buf, (int) (off / MiB) + 1, sizeof buf);
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert_msg (memcmp (got, buf, sizeof got) == 0, "MiB %" PRIu64
+                   " after the crash", off / MiB);
+  }
+  fx_free (&f);
+}
+END_TEST
+
 /* A cache device that fails while it holds dirty data is not given up
  * (that would lose the data): a read of the dirty range fails with EIO
  * rather than return the export's older data, clean data is served from
@@ -652,6 +696,7 @@ writeback_suite (void)
   ADD (rate_controller);
   ADD (cutoff_writes_through);
   ADD (failing_device_keeps_dirty_data);
+  ADD (dirty_data_never_fills_the_cache);
   ADD (write_over_dirty_device_refuses_writes);
   ADD (writethrough_over_dirty_backing_fails);
 #undef ADD
