@@ -1084,9 +1084,18 @@ btree_node_read (struct bcf_cache *c, struct btree_node *n, char *err,
   return r;
 }
 
+/* The open's progress through the tree (BCF_OPEN_BTREE): the node count
+ * is unknown until the last node is read, so the whole tree is this many
+ * shares, each node's split equally among its children; a leaf read
+ * reports the end of its share.  Depth first, so done only grows.
+ * 2^32 keeps span * i (i < a node's keys) far from overflowing. */
+#define LOAD_SHARES (UINT64_C (1) << 32)
+
+/* Read node n and, below it, every node it points at; [lo, lo + span)
+ * is n's share of LOAD_SHARES. */
 static int
-load_subtree (struct bcf_cache *c, struct btree_node *n, char *err,
-              size_t errlen)
+load_subtree (struct bcf_cache *c, struct btree_node *n, uint64_t lo,
+              uint64_t span, char *err, size_t errlen)
 {
   int r = btree_node_read (c, n, err, errlen);
 
@@ -1094,6 +1103,7 @@ load_subtree (struct bcf_cache *c, struct btree_node *n, char *err,
     return r;
   if (n->level == 0) {
     c->tree.nkeys += n->keys.nr;
+    open_progress (&c->opts, BCF_OPEN_BTREE, lo + span, LOAD_SHARES);
     return 0;
   }
   if (n->keys.nr == 0) {
@@ -1103,7 +1113,7 @@ load_subtree (struct bcf_cache *c, struct btree_node *n, char *err,
   }
   for (size_t i = 0; i < n->keys.nr; i++) {
     const struct ckey *k = &n->keys.k[i];
-    uint64_t b = bucket_of_ptr (c, k->ptr);
+    uint64_t b = bucket_of_ptr (c, k->ptr), from, to;
     struct btree_node *ch;
 
     if (b >= c->sb.nbuckets || hash_find (c, k)) {
@@ -1121,7 +1131,10 @@ load_subtree (struct bcf_cache *c, struct btree_node *n, char *err,
     keyset_init (&ch->open, ch->level == 0);
     hash_add (&c->tree, ch, b);
     c->tree.nnodes++;
-    if ((r = load_subtree (c, ch, err, errlen)) < 0)
+    /* The last child's share ends exactly where this node's does. */
+    from = lo + span * i / n->keys.nr;
+    to = lo + span * (i + 1) / n->keys.nr;
+    if ((r = load_subtree (c, ch, from, to - from, err, errlen)) < 0)
       return r;
   }
   return 0;
@@ -1143,7 +1156,8 @@ btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
   hash_add (&c->tree, n, bucket_of_ptr (c, root->ptr));
   c->tree.nnodes++;
   c->tree.root = n;
-  if ((r = load_subtree (c, n, err, errlen)) < 0)
+  open_progress (&c->opts, BCF_OPEN_BTREE, 0, LOAD_SHARES);
+  if ((r = load_subtree (c, n, 0, LOAD_SHARES, err, errlen)) < 0)
     return r;
   __atomic_store_n (&c->tree.dirty_sectors, btree_count_dirty_sectors (c),
                     __ATOMIC_RELAXED);

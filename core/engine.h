@@ -263,7 +263,8 @@ void btree_free (struct bcf_cache *c);
 bool btree_has_uncaptured (struct bcf_cache *c);
 /* First registration: an empty root leaf covering everything. */
 int btree_new_root (struct bcf_cache *c);
-/* Load the tree whose root key is given (open). */
+/* Load the tree whose root key is given (open), reporting
+ * BCF_OPEN_BTREE. */
 int btree_load (struct bcf_cache *c, const struct ckey *root, unsigned level,
                 char *err, size_t errlen);
 /* Extent insert, under tree_lock held for writing; jseq is the journal
@@ -409,9 +410,12 @@ void journal_set_last_seq (struct bcf_cache *c, uint64_t last_seq);
 /* Read every journal bucket of the device whose superblock is sb, and
  * judge the entries (the one rule: bcachefilter/inspect.h).  Returns 0
  * with the entries and the verdict in *s (free it with
- * bcf_journal_scan_free), or -errno if the device could not be read. */
+ * bcf_journal_scan_free), or -errno if the device could not be read.
+ * Reports BCF_OPEN_JOURNAL through progress->progress (progress may be
+ * NULL). */
 int journal_scan (struct bcf_io *io, const struct bch_sb *sb,
-                  struct bcf_journal_scan *s);
+                  struct bcf_journal_scan *s,
+                  const struct bcf_cache_opts *progress);
 /* Read the journal at open: journal_scan, refused with its message
  * unless the verdict is OK; the newest entry gives the root, uuid and
  * prio pointers; the entries replay needs are kept for journal_replay. */
@@ -425,7 +429,7 @@ struct journal_replay {
 int journal_read (struct bcf_cache *c, struct journal_replay *r,
                   char *err, size_t errlen);
 /* Feed the kept keys, in order, to cb with the seq of the entry holding
- * each; then drop them. */
+ * each (reporting BCF_OPEN_REPLAY after each entry); then drop them. */
 int journal_replay (struct bcf_cache *c,
                     int (*cb) (struct bcf_cache *c, const struct ckey *k,
                                uint64_t seq, void *opaque),
@@ -599,6 +603,16 @@ struct bcf_cache {
 /* Logging through opts.log (util.h). */
 #define bcf_log(c, level, ...) \
   bcf_log_to ((c)->opts.log, (c)->opts.log_opaque, (level), __VA_ARGS__)
+/* Progress of a step of the open through opts.progress, if the caller
+ * asked for it (o may be NULL: a scan for the tools).  Called with no
+ * lock held (the callback's contract, bcachefilter/cache.h). */
+static inline void
+open_progress (const struct bcf_cache_opts *o, enum bcf_open_step step,
+               uint64_t done, uint64_t total)
+{
+  if (o && o->progress)
+    o->progress (o->progress_opaque, step, done, total);
+}
 /* Record one duration in one of the cache's time stats. */
 static inline void
 bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t, uint64_t ns)

@@ -35,7 +35,7 @@ bcf_journal_inspect (const char *path, const struct bch_sb *sb,
   memset (s, 0, sizeof *s);
   if ((r = bcf_io_open (&o, &io, err, errlen)) < 0)
     return r;
-  r = journal_scan (io, sb, s);
+  r = journal_scan (io, sb, s, NULL);
   if (r < 0)
     snprintf (err, errlen, "reading the journal of %s: %s", path,
               strerror (-r));

@@ -51,7 +51,10 @@
  * as durable, so it is simply absent; but blocks that carry the magic and
  * do not decode are judged too (judge_bad: a torn tail, stale leftovers,
  * or corruption between valid entries), and the open logs a warning
- * saying what it skipped, which bcf_cache_fsck reports again.
+ * saying what it skipped, which bcf_cache_fsck reports again.  The scan
+ * and the replay report their progress (opts.progress) once per bucket
+ * and once per entry: after a crash the replay can take most of an
+ * open.
  *
  * Locking: journal.lock protects all fields; the writer sets `writing`
  * and does its I/O without the lock.  journal.lock is taken inside
@@ -700,7 +703,8 @@ journal_judge (struct bcf_journal_scan *s)
 
 int
 journal_scan (struct bcf_io *io, const struct bch_sb *sb,
-              struct bcf_journal_scan *s)
+              struct bcf_journal_scan *s,
+              const struct bcf_cache_opts *progress)
 {
   const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
   const size_t bucket_bytes = (size_t) bucket_sectors << BCH_SECTOR_SHIFT;
@@ -720,6 +724,7 @@ journal_scan (struct bcf_io *io, const struct bch_sb *sb,
   if (!buf)
     return -ENOMEM;
   for (unsigned i = 0; i < nj && r == 0; i++) {
+    open_progress (progress, BCF_OPEN_JOURNAL, i, nj);
     x.index = i;
     x.bucket = sb->d[i];
     x.buf = buf;
@@ -731,7 +736,10 @@ journal_scan (struct bcf_io *io, const struct bch_sb *sb,
       r = x.err ? x.err : -EIO;
   }
   bcf_buf_free (buf, bucket_bytes);
-  return r < 0 ? r : journal_judge (s);
+  if (r < 0)
+    return r;
+  open_progress (progress, BCF_OPEN_JOURNAL, nj, nj);
+  return journal_judge (s);
 }
 
 void
@@ -803,7 +811,7 @@ journal_read (struct bcf_cache *c, struct journal_replay *rp, char *err,
   j->replay = calloc (1, sizeof *j->replay);
   if (!j->replay)
     return -ENOMEM;
-  if ((r = journal_scan (c->io, &c->sb, j->replay)) < 0) {
+  if ((r = journal_scan (c->io, &c->sb, j->replay, &c->opts)) < 0) {
     snprintf (err, errlen, "reading the journal: %s", strerror (-r));
     goto fail;
   }
@@ -882,11 +890,21 @@ journal_replay (struct bcf_cache *c,
                 void *opaque, uint64_t *nkeys, char *err, size_t errlen)
 {
   struct journal *j = &c->journal;
+  uint64_t total = 0, done = 0;
   int r = 0;
 
+  /* Progress in keys: entries differ in size.  Needed entries hold no
+   * bad key (journal_judge), so nkeys is what replay_keys feeds. */
+  for (size_t i = 0; i < j->replay_n; i++)
+    total += j->replay_order[i]->nkeys;
+  open_progress (&c->opts, BCF_OPEN_REPLAY, 0, total);
   *nkeys = 0;
-  for (size_t i = 0; i < j->replay_n && r == 0; i++)
+  for (size_t i = 0; i < j->replay_n && r == 0; i++) {
     r = replay_keys (c, j->replay_order[i], cb, opaque, nkeys, err, errlen);
+    done += j->replay_order[i]->nkeys;
+    if (r == 0)
+      open_progress (&c->opts, BCF_OPEN_REPLAY, done, total);
+  }
   journal_replay_done (c);
   return r;
 }

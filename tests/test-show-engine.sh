@@ -21,6 +21,10 @@
 #     checksum) pointing into the prio bucket: the cache opens, --btree
 #     shows the key, and --fsck reports the metadata bucket (status 8);
 #     a dirty key next to it is counted by --btree and --buckets.
+# --fsck is run a second time with stderr on a terminal (script(1)) for
+# a clean, a corrupt, a torn and an inconsistent cache: its progress line
+# must leave stdout and the exit status as they were, and be erased
+# before any message and at the end.
 # On-disk structures are edited with a small python3 helper that computes
 # bcache's CRC-64 checksums.
 
@@ -32,6 +36,7 @@ requires bcachefilter-format --version
 requires bcachefilter-show --version
 requires python3 --version
 requires truncate --version
+requires script --version
 
 tmpdir d
 
@@ -137,6 +142,39 @@ expect ()
     if ! grep -qF -- "$phrase" "$d/out" "$d/err"; then
         fail "'$*': output does not contain '$phrase'"
     fi
+    expect_rc=$rc
+}
+
+# tty.py TTY ERR: TTY is what a terminal got on the tool's stderr, ERR
+# what a file got.  The progress line ("\rbcachefilter-show: STEP: N%",
+# then erase to the end of the line) must be there at least once, and
+# each run of it erased ("\r" + erase) before anything else; without it
+# the terminal got exactly ERR.
+cat > "$d/tty.py" <<'EOF'
+import re, sys
+tty = open(sys.argv[1], "rb").read().replace(b"\r\n", b"\n")
+err = open(sys.argv[2], "rb").read()
+line = rb"\rbcachefilter-show: [a-z ]+: [0-9]+%\x1b\[K"
+assert re.search(line, tty), "no progress line on the terminal: %r" % tty
+rest = re.sub(b"(" + line + rb")+\r\x1b\[K", b"", tty)
+assert rest == err, "the terminal got %r, a file %r" % (rest, err)
+EOF
+
+# expect_tty CMD...: CMD again, with stderr on a terminal: the same exit
+# status and stdout as the expect just before, the same messages on
+# stderr, and the progress line only between them (tty.py).
+expect_tty ()
+{
+    local rc=0
+    script -qec "$(printf '%q ' "$@") > $(printf '%q' "$d/tty.out")" \
+           /dev/null > "$d/tty.err" || rc=$?
+    cat -v "$d/tty.err"
+    test "$rc" -eq "$expect_rc" ||
+        fail "'$*' on a terminal exited with status $rc, not $expect_rc"
+    cmp "$d/out" "$d/tty.out" ||
+        fail "'$*': stdout differs when stderr is a terminal"
+    python3 "$d/tty.py" "$d/tty.err" "$d/err" ||
+        fail "'$*': the progress line on the terminal is wrong"
 }
 
 # jget FILE EXPR: a python expression over the JSON in FILE, as j.
@@ -165,6 +203,7 @@ fresh ()
 
 fresh
 expect 0 "clean:" bcachefilter-show --fsck "$img"
+expect_tty bcachefilter-show --fsck "$img"
 expect 0 '"status": "ok"' bcachefilter-show --journal --json "$img"
 cp "$d/out" "$d/journal.json"
 newest='[e for e in j["entries"] if e["newest"]][0]'
@@ -218,6 +257,7 @@ grep -qx "no valid entry" "$d/out"
 expect 7 '"status": "corrupt"' bcachefilter-show --journal --json "$img"
 expect 7 "corrupt: the journal holds no valid entry" \
        bcachefilter-show --fsck "$img"
+expect_tty bcachefilter-show --fsck "$img"
 expect 7 "the journal holds no valid entry" bcachefilter-show --btree "$img"
 
 # ------------------------------------------------------------------------
@@ -261,6 +301,7 @@ grep -q "seq $((seq - 1)), .*\[newest\]$" "$d/out" ||
     fail "the entry before the torn one is not the newest"
 grep -qF ": all present" "$d/out"
 expect 0 "clean: 1 nodes" bcachefilter-show --fsck "$img"
+expect_tty bcachefilter-show --fsck "$img"
 expect 0 '"ignored"' bcachefilter-show --journal --json "$img"
 test "$(jget "$d/out" 'len(j["ignored"])')" = 1
 
@@ -294,7 +335,9 @@ edit node-append "$img" $((root * bb)) "$root_ptr" "$bcset" "$written" \
 expect 8 "problem: live extent 64+8 points into metadata bucket $prio" \
        bcachefilter-show --fsck "$img"
 grep -qF "fsck found 1 problem in 1 nodes, 2 keys, 1024 buckets" "$d/err"
+expect_tty bcachefilter-show --fsck "$img"
 expect 8 '"status": "inconsistent"' bcachefilter-show --fsck --json "$img"
+expect_tty bcachefilter-show --fsck --json "$img"
 test "$(jget "$d/out" 'j["problems"]')" = \
      "['live extent 64+8 points into metadata bucket $prio']"
 

@@ -44,8 +44,14 @@
  *                    at backing-store bytes, which for a bcache backing
  *                    device include its data_offset, so the URI must
  *                    serve the store the filter ran on, whole.
- *      --verify shows a percentage on stderr when it is a terminal
- *      (struct progress, the one helper for any long mode).
+ *      --verify and --fsck show a percentage on stderr when it is a
+ *      terminal (struct progress, the one helper for any long mode):
+ *      --verify of the export; --fsck of each step of the open
+ *      (reading the journal, the btree nodes, replaying the journal),
+ *      which the engine reports through opts.progress, because the
+ *      open is where its time goes on a large cache (at 1M keys ~98%;
+ *      bcf_cache_fsck's walks take the rest).  Engine messages and
+ *      errors erase the line first.
  *      The engine modes use only its public API (bcachefilter/cache.h,
  *      inspect.h) on a single-threaded, read-only open, so no lock is
  *      contended.  A read-only open never writes the device.
@@ -151,13 +157,16 @@ device_error (const char *path, const char *fs, ...)
 
 /* Progress on stderr, only when stderr is a terminal: "LABEL: N%" on
  * one line, rewritten at most four times a second, erased at the end.
- * The one helper for long modes (--verify). */
+ * The one helper for long modes (--verify, and --fsck through the
+ * open's steps: progress_step). */
 struct progress {
   bool on;
   const char *label;
   uint64_t total;
   struct timespec last;
-  int shown;                /* the percentage last printed, or -1 */
+  int shown;                /* the percentage last printed for this
+                               label, or -1 */
+  bool drawn;               /* a line is on the terminal */
 };
 
 static void
@@ -168,6 +177,7 @@ progress_start (struct progress *p, const char *label, uint64_t total)
   p->total = total;
   p->last = (struct timespec) { 0, 0 };
   p->shown = -1;
+  p->drawn = false;
 }
 
 static void
@@ -189,15 +199,31 @@ progress_update (struct progress *p, uint64_t done)
   if (pct == p->shown)
     return;
   p->shown = pct;
-  fprintf (stderr, "\r%s: %s: %d%%", PROGRAM_NAME, p->label, pct);
+  p->drawn = true;
+  /* \033[K: the previous step's label may have been longer. */
+  fprintf (stderr, "\r%s: %s: %d%%\033[K", PROGRAM_NAME, p->label, pct);
 }
 
+/* A new step of the same run, on the same line: LABEL's share of TOTAL
+ * from now on.  The rate limit carries over, so quick steps do not
+ * flicker. */
+static void
+progress_step (struct progress *p, const char *label, uint64_t total)
+{
+  p->label = label;
+  p->total = total;
+  p->shown = -1;            /* print the new label even at the same % */
+}
+
+/* Erase the line: at the end, and before any other message on stderr
+ * (the next update draws it again). */
 static void
 progress_end (struct progress *p)
 {
-  if (p->on && p->shown >= 0)
+  if (p->drawn)
     fputs ("\r\033[K", stderr);
   p->shown = -1;
+  p->drawn = false;
 }
 
 /* a * b, or UINT64_MAX if that overflows (sizes derived from untrusted
@@ -1457,6 +1483,7 @@ mode_journal (const struct options *opts, const struct device *dev,
 struct log_ctx {
   const char *path;
   bool verbose;
+  struct progress *progress;    /* the open's, or NULL */
 };
 
 static void
@@ -1466,6 +1493,8 @@ engine_log (void *opaque, enum bcf_log_level level, const char *msg)
 
   if (level < BCF_LOG_WARN && !l->verbose)
     return;
+  if (l->progress)
+    progress_end (l->progress);
   if (strstr (msg, l->path))
     fprintf (stderr, "%s: %s\n", PROGRAM_NAME, msg);
   else
@@ -1486,12 +1515,34 @@ open_error_to_exit (int r)
   }
 }
 
+/* opts.progress of the open: each of its steps on the progress line. */
+static void
+open_progress (void *opaque, enum bcf_open_step step, uint64_t done,
+               uint64_t total)
+{
+  static const char *const what[] = {
+    [BCF_OPEN_JOURNAL] = "reading the journal",
+    [BCF_OPEN_BTREE]   = "reading the btree",
+    [BCF_OPEN_REPLAY]  = "replaying the journal",
+  };
+  struct progress *p = opaque;
+  const char *label = step < sizeof what / sizeof what[0] && what[step]
+                      ? what[step] : "opening the cache";
+
+  if (p->label != label)
+    progress_step (p, label, total);
+  progress_update (p, done);
+}
+
 /* Open the cache read-only: reads and checks the journal, prios, uuids
  * and every btree node, replays the journal in memory and runs the
- * initial mark.  NULL with *status set (and a message) on failure. */
+ * initial mark.  NULL with *status set (and a message) on failure.
+ * With progress (started by the caller; NULL: none) the open's steps
+ * are shown on it, and engine messages erase it first. */
 static struct bcf_cache *
 engine_open_backing (const struct options *opts, const struct device *dev,
-                     const struct bcf_backing *backing, int *status)
+                     const struct bcf_backing *backing,
+                     struct progress *progress, int *status)
 {
   static struct log_ctx lc;
   struct bcf_cache_opts o = { 0 };
@@ -1505,14 +1556,21 @@ engine_open_backing (const struct options *opts, const struct device *dev,
   }
   lc.path = dev->path;
   lc.verbose = opts->verbose;
+  lc.progress = progress;
   o.path = dev->path;
   o.readonly = true;
   o.log = engine_log;
   o.log_opaque = &lc;
   if (backing)
     o.backing = *backing;
+  if (progress) {
+    o.progress = open_progress;
+    o.progress_opaque = progress;
+  }
   r = bcf_cache_open (&o, &c, err, sizeof err);
   if (r < 0) {
+    if (progress)
+      progress_end (progress);
     *status = open_error_to_exit (r);
     if (err[0] == '\0')
       snprintf (err, sizeof err, "%s", strerror (-r));
@@ -1530,7 +1588,7 @@ static struct bcf_cache *
 engine_open (const struct options *opts, const struct device *dev,
              int *status)
 {
-  return engine_open_backing (opts, dev, NULL, status);
+  return engine_open_backing (opts, dev, NULL, NULL, status);
 }
 
 /* ------------------------------------------------------------------------
@@ -1851,21 +1909,29 @@ mode_fsck (const struct options *opts, const struct device *dev,
 {
   struct bcf_cache *c;
   struct bcf_cache_stats st;
+  struct progress pr;
   char *report;
   uint64_t nodes, keys, buckets;
   size_t lines = 0;
   int problems, status;
 
   (void) load_status;
-  if (!(c = engine_open (opts, dev, &status)))
+  /* The open is where the time goes (the journal, the nodes, after a
+   * crash the replay: seconds on a large cache); bcf_cache_fsck's walks
+   * take a few percent of it, so the line ends with the open's last
+   * step. */
+  progress_start (&pr, "opening the cache", 0);
+  if (!(c = engine_open_backing (opts, dev, NULL, &pr, &status)))
     return status;
   report = malloc (FSCK_REPORT_BYTES);
   if (!report) {
+    progress_end (&pr);
     device_error (dev->path, "out of memory");
     bcf_cache_close (c);
     return EXIT_ERROR;
   }
   problems = bcf_cache_fsck (c, report, FSCK_REPORT_BYTES);
+  progress_end (&pr);
   bcf_cache_stats (c, &st);
   nodes = st.btree_nodes;
   keys = st.btree_keys;
@@ -2136,7 +2202,7 @@ mode_verify (const struct options *opts, const struct device *dev,
    * device, superblock included: its data_offset is in the keys). */
   backing.ops = &nbd_backing_ops;
   backing.opaque = v.nbd;
-  if (!(v.c = engine_open_backing (opts, dev, &backing, &status))) {
+  if (!(v.c = engine_open_backing (opts, dev, &backing, NULL, &status))) {
     nbd_close (v.nbd);
     return VERIFY_ERROR;
   }

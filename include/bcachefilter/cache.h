@@ -60,6 +60,17 @@ enum bcf_io_mode {
   BCF_IO_SYNC,                  /* pread / pwrite / fdatasync */
 };
 
+/* The steps of opening an existing cache that grow with its size, in
+ * the order they run, for opts.progress.  On a large cache they are
+ * nearly all of the open: the nodes after a clean close, the replay
+ * after a crash. */
+enum bcf_open_step {
+  BCF_OPEN_JOURNAL,       /* reading the journal: buckets read, of all */
+  BCF_OPEN_BTREE,         /* reading the btree nodes: the share of the tree
+                             read (below) */
+  BCF_OPEN_REPLAY,        /* replaying the journal: keys replayed, of all */
+};
+
 struct bcf_cache_opts {
   const char *path;               /* cache device or file */
   bool readonly;                  /* inspect only (tools): never write;
@@ -121,6 +132,22 @@ struct bcf_cache_opts {
   /* Diagnostics (may be NULL). */
   void (*log) (void *opaque, enum bcf_log_level level, const char *msg);
   void *log_opaque;
+  /* Progress of the open of an existing cache (may be NULL; not called
+   * when formatting), for a tool to show: called for each step of enum
+   * bcf_open_step in turn, first with done 0 and last with done ==
+   * total (total may be 0 when there is nothing to do), never with a
+   * smaller done than before in that step, and at most once per journal
+   * bucket, btree node or journal entry, so it costs nothing beside the
+   * I/O.  The number of nodes is known only once they are all read, so
+   * for BCF_OPEN_BTREE done / total is the share of the tree read, each
+   * node's share split equally among its children (in the usual tree of
+   * two levels, each leaf read adds the same).  Called on the opening
+   * thread before bcf_cache_open returns, with no engine lock held; it
+   * must not call the engine (there is no cache to call yet), and since
+   * it delays the open it should only take note or print. */
+  void (*progress) (void *opaque, enum bcf_open_step step, uint64_t done,
+                    uint64_t total);
+  void *progress_opaque;
 };
 
 /* Open (and if the policy allows, format) a cache.  Returns 0 and sets

@@ -3,7 +3,8 @@
  * GC running beside allocation.
  *
  * Also: the read race of a hit whose bucket is reused meanwhile
- * (test_read_race_stale).
+ * (test_read_race_stale), and the open's progress reports
+ * (test_open_progress).
  *
  * The model test plays the request path of a writethrough cache over an
  * in-memory backing store (tests/unit/mem-backing) and keeps two
@@ -1206,6 +1207,94 @@ START_TEST (test_node_cache_bound_readonly)
 }
 END_TEST
 
+/* Every call of opts.progress during an open, in order. */
+struct progress_log {
+  struct { enum bcf_open_step step; uint64_t done, total; } call[4096];
+  size_t n;
+};
+
+static void
+progress_cb (void *opaque, enum bcf_open_step step, uint64_t done,
+             uint64_t total)
+{
+  struct progress_log *pl = opaque;
+
+  ck_assert_uint_lt (pl->n, 4096);
+  pl->call[pl->n].step = step;
+  pl->call[pl->n].done = done;
+  pl->call[pl->n].total = total;
+  pl->n++;
+}
+
+/* The open's progress (opts.progress, what bcachefilter-show --fsck
+ * shows): after a crash that left keys to replay, a read-only open of a
+ * tree of several nodes reports the journal, the btree and the replay,
+ * in that order, each from done 0 to done == total with the same total
+ * and done never going down; the btree once per leaf, the replay up
+ * to every key the crash left in the journal. */
+START_TEST (test_open_progress)
+{
+  const uint64_t nblocks = 8192, late = 512;
+  static struct progress_log pl;
+  const enum bcf_open_step order[] = {
+    BCF_OPEN_JOURNAL, BCF_OPEN_BTREE, BCF_OPEN_REPLAY,
+  };
+  struct fixture f;
+  struct bcf_cache_stats st;
+  uint8_t *buf = calloc (1, BLOCK);
+  size_t i = 0, btree_calls = 0;
+
+  fixture_init (&f, "progress.img", nblocks * BLOCK, 64 << 20, 32);
+  fixture_open (&f);
+  /* Small buckets: many leaves, committed by the checkpoint; then keys
+   * only the journal holds when the power goes. */
+  for (uint64_t blk = 0; blk < nblocks; blk += 2)
+    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false),
+                      0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  for (uint64_t blk = 1; blk < 2 * late; blk += 2)
+    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, buf, false, false),
+                      0);
+  ck_assert_int_eq (bcf_flush (f.c), 0);
+  bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  f.c = NULL;
+
+  f.opts.readonly = true;
+  f.opts.progress = progress_cb;
+  f.opts.progress_opaque = &pl;
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_gt (st.btree_nodes, 2);
+  for (size_t s = 0; s < sizeof order / sizeof order[0]; s++) {
+    const size_t first = i;
+
+    ck_assert_msg (i < pl.n && pl.call[i].step == order[s],
+                   "step %zu: not reported, or out of order", s);
+    ck_assert_uint_eq (pl.call[i].done, 0);
+    for (; i < pl.n && pl.call[i].step == order[s]; i++) {
+      ck_assert_uint_eq (pl.call[i].total, pl.call[first].total);
+      ck_assert_uint_le (pl.call[i].done, pl.call[i].total);
+      if (i > first)
+        ck_assert_uint_ge (pl.call[i].done, pl.call[i - 1].done);
+    }
+    ck_assert_msg (pl.call[i - 1].done == pl.call[i - 1].total,
+                   "step %zu ends at %" PRIu64 " of %" PRIu64, s,
+                   pl.call[i - 1].done, pl.call[i - 1].total);
+    ck_assert_uint_gt (pl.call[first].total, 0);
+    if (order[s] == BCF_OPEN_BTREE)
+      btree_calls = i - first;
+    if (order[s] == BCF_OPEN_REPLAY)
+      ck_assert_uint_ge (pl.call[i - 1].total, late);
+  }
+  ck_assert_uint_eq (i, pl.n);
+  /* One call to start, then one per leaf: several. */
+  ck_assert_uint_gt (btree_calls, 2);
+  ck_assert_uint_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_free (&f);
+  free (buf);
+}
+END_TEST
+
 /* Checkpoints running while inserts and invalidations change the very
  * nodes they are writing.  A checkpoint captures a node written whole by
  * sharing its key array (copy on write: keyset_share) and encodes it
@@ -1812,6 +1901,7 @@ engine_suite (void)
   add (s, "gc_coalesce", test_gc_coalesce);
   add (s, "read_race_stale", test_read_race_stale);
   add (s, "node_cache_bound_readonly", test_node_cache_bound_readonly);
+  add (s, "open_progress", test_open_progress);
   add (s, "checkpoint_concurrent_changes",
        test_checkpoint_concurrent_changes);
   /* An allocator that waits for GC never returns here (the pass is
