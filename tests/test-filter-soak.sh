@@ -2,7 +2,8 @@
 # bcachefilter: soak of the real nbdkit process, killed with SIGKILL at
 # random moments under load, in every cache mode (issue 12, point 5).
 #
-# remote: nbdkit memory 32M on a unix socket, filled with random data.
+# remote: nbdkit memory 32M (SOAK_EXPORT_SIZE) on a unix socket, filled
+#         with random data.
 #         It keeps running across the proxy's kills: in every mode but
 #         writeback it is the truth.  It runs with --threads=1 (requests
 #         of one connection one at a time; the proxy's connections still
@@ -80,7 +81,7 @@ echo "$0: seed $seed (rerun with TEST_SEED=$seed), $budget s"
 RANDOM=$seed
 
 tmpdir d
-start_remote --threads=1 memory 32M
+start_remote --threads=1 memory "${SOAK_EXPORT_SIZE:-32M}"
 remote_uri="nbd+unix:///?socket=$remote_sock"
 cache="$d/cache"
 ctl="$d/ctl"

@@ -512,7 +512,12 @@ op_dirty_write (struct model *m, uint64_t blk, uint64_t nb, bool sync,
   }
   m->ver += nb;
   if (r == -ENOSPC) {
+    /* No room: nothing of the write went in and the range still holds
+     * what it held (bcf_write_begin drops nothing, so that older dirty
+     * data survives until the caller has written it back); the caller
+     * then invalidates the range, as the request path does. */
     m->n.enospc++;
+    REQUIRE_OK (bcf_invalidate (m->c, blk * m->block, nb * m->block, false));
     REQUIRE_OK (bcf_gc_run (m->c));
     sweep_gens (m);
     return;
