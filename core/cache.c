@@ -159,6 +159,29 @@ bcf_cache_abandon (struct bcf_cache *c)
   return r;
 }
 
+int
+bcf_cache_detach (struct bcf_cache *c)
+{
+  uint64_t dirty;
+  int r;
+
+  if (c->opts.readonly)
+    return -EROFS;
+  /* Checked under ckpt_lock, the lock the marking is made under; the
+   * caller keeps dirty data from appearing meanwhile (request.c). */
+  pthread_mutex_lock (&c->ckpt_lock);
+  pthread_rwlock_rdlock (&c->tree_lock);
+  dirty = btree_dirty_sectors (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  r = dirty ? -EBUSY : super_detach (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  if (r == 0)
+    bcf_log (c, BCF_LOG_INFO, "%s: detached from its export (uuid slot %u "
+             "invalidated): the next open starts with an empty cache",
+             c->opts.path, c->inode);
+  return r;
+}
+
 struct bcf_io *
 bcf_cache_test_io (struct bcf_cache *c)
 {
@@ -193,7 +216,7 @@ bool
 bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
                  uint64_t *bytes)
 {
-  if (bch_uuid_is_zero (c->owner.uuid))
+  if (!bch_uuid_entry_live (&c->owner))
     return false;
   memcpy (uuid, c->owner.uuid, 16);
   *bytes = c->owner.sectors << BCH_SECTOR_SHIFT;
