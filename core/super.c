@@ -229,7 +229,42 @@ check_cache (const char *path, const struct bcf_probe_opts *opts,
     return;
   }
   v->has_owner = bcf_cache_owner (c, v->owner_uuid, &v->owner_bytes);
+  v->dirty_bytes = bcf_cache_dirty_bytes (c);
   bcf_cache_close (c);
+}
+
+/* A forced format of a cache that holds dirty data loses acknowledged
+ * writes, which exist nowhere else: refused unless discard_dirty says it
+ * is meant (DESIGN.md: a cache holding dirty data is never discarded
+ * silently).  The count comes from a read-only open (check_cache), as
+ * bcachefilter-show's; a cache that cannot be opened for it (corrupt:
+ * what force is there for) is formatted. */
+static int
+refuse_losing_dirty (struct bcf_cache *c, struct bcf_device_verdict *v,
+                     char *err, size_t errlen)
+{
+  const struct bcf_probe_opts po = {
+    .check = true, .direct_off = c->opts.direct_off,
+  };
+  const char *path = bcf_io_path (c->io);
+
+  if (c->opts.discard_dirty)
+    return 0;
+  check_cache (path, &po, v);
+  if (v->kind != BCF_DEVICE_CACHE) {
+    bcf_log (c, BCF_LOG_WARN, "%s: formatting as forced; its dirty data, if "
+             "any, cannot be counted: %s", path, v->reason);
+    return 0;
+  }
+  if (v->dirty_bytes == 0)
+    return 0;
+  snprintf (err, errlen, "%s holds %" PRIu64 " bytes (%.1f MiB) of dirty "
+            "data, writes acknowledged to clients that its export does not "
+            "have yet: formatting it would lose them.  Open it with its "
+            "export and write them back first (bcachefilter-ctl flush or "
+            "detach), or ask for their loss explicitly", path,
+            v->dirty_bytes, (double) v->dirty_bytes / (1 << 20));
+  return -EBUSY;
 }
 
 int
@@ -998,7 +1033,9 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
            ? -EMEDIUMTYPE : -EUCLEAN;
   }
   if (c->opts.format == BCF_FORMAT_FORCE) {
-    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0)
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0 ||
+        (v.kind == BCF_DEVICE_CACHE &&
+         (r = refuse_losing_dirty (c, &v, err, errlen)) < 0))
       return r;
     if (v.kind != BCF_DEVICE_BLANK && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,

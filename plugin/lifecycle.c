@@ -484,6 +484,7 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   o.io_mode = cfg.io_mode;
   o.direct_off = !cfg.direct;
   o.format = format;
+  o.discard_dirty = cfg.discard_dirty;
   o.bucket_sectors = probe_format_bucket_sectors (verdict.size);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
   o.min_buckets = BCH_KERNEL_MIN_NBUCKETS;

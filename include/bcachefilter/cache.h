@@ -48,7 +48,9 @@ enum bcf_format_policy {
   BCF_FORMAT_NEVER = 0,   /* open an existing cache only */
   BCF_FORMAT_AUTO,        /* format a blank device; initialise a device made
                              by make-bcache -C; refuse anything else */
-  BCF_FORMAT_FORCE,       /* format whatever is there (destroys it) */
+  BCF_FORMAT_FORCE,       /* format whatever is there (destroys it), but
+                             a cache that holds dirty data only with
+                             opts.discard_dirty */
 };
 
 enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
@@ -74,6 +76,11 @@ struct bcf_cache_opts {
   bool direct_off;                /* never use O_DIRECT */
 
   enum bcf_format_policy format;
+  /* With format FORCE, a cache that holds dirty data (acknowledged
+   * writes its export does not have) is formatted too, losing them;
+   * without it that is refused with -EBUSY, saying how much would be
+   * lost.  A cache that cannot be opened to count it is formatted. */
+  bool discard_dirty;
   unsigned bucket_sectors;        /* for formatting; 0 = 1024 (512 KiB) */
   unsigned block_sectors;         /* for formatting; 0 = device's */
   unsigned replacement;           /* enum bch_replacement, for formatting */
@@ -127,7 +134,8 @@ struct bcf_cache_opts {
  * *cp, or a negative errno with the reason in err.  The errors a caller
  * may want to tell apart:
  *   -EEXIST       the cache holds another export (uuid or size)
- *   -EBUSY        another process holds the device (bcachefilter/claim.h)
+ *   -EBUSY        another process holds the device (bcachefilter/claim.h),
+ *                 or format FORCE would destroy dirty data (discard_dirty)
  *   -EMEDIUMTYPE  the device holds something else (foreign data, a
  *                 bcache backing device) or, read-only, no cache yet
  *   -EUCLEAN      corrupt metadata (superblock, journal, prios, btree)
