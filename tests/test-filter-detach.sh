@@ -5,7 +5,9 @@
 #  1. Writeback mode, writeback paused: data written by a client is dirty
 #     in the cache, not on the export.  detach, while another client
 #     keeps writing (the remote is slowed by the delay filter, so that
-#     writes arrive during the writeback): it ends "detached", and the
+#     writes arrive during the writeback, and the writeback is slower
+#     than the cache takes writes): it ends "detached", within a minute
+#     (no write is acknowledged from the cache once it started), and the
 #     export has every acknowledged write, those made during the detach
 #     included.
 #  2. Afterwards the cache passes everything through: a write through
@@ -37,16 +39,14 @@ ctl="$d/ctl"
 M=$((1024 * 1024))
 C () { bcachefilter-ctl -s "$ctl" "$@"; }
 s () { ctl_stat "$ctl" "$1"; }
-wait_ctl () { for _ in $(seq 300); do test -S "$ctl" && return; sleep 0.1; done
-              fail "no control socket at $ctl"; }
 
-# The export: 32 MiB, written 2 ms per request slower than it reads.
-start_remote --filter=delay memory 32M delay-write=2ms
+# The export: 32 MiB, written 5 ms per request slower than it reads.
+start_remote --filter=delay memory 32M delay-write=5ms
 head -c 32M /dev/urandom > "$d/data"
 nbdio "$remote_sock" wfile 0 "$d/data"
 start_proxy p bcache="$d/cache" bcache-size=64M bcache-ctl="$ctl" \
     bcache-mode=writeback
-wait_ctl
+wait_ctl "$ctl"
 
 # ---------------------------------------------------------------------
 # 1. Dirty data, then detach under a stream of writes.
@@ -58,27 +58,33 @@ test "$(s dirty_data)" -ge $((2 * M)) || fail "the writes are not dirty in the c
 nbdio "$remote_sock" rfile $((1 * M)) 4M "$d/remote.a"
 ! cmp -s "$d/remote.a" "$d/a" || fail "the export has the writes already"
 
-# The writer: 512 writes of 64 KiB over [8 MiB, 16 MiB), each of its own
-# byte, until told to stop; it records what it wrote in order.
+# The writer: 4 KiB writes at random places in [8 MiB, 16 MiB), each of
+# its own byte, until told to stop; it records what it wrote in order.
+# Scattered, its writes are written back one export write each, far
+# slower than the cache takes them in writeback mode: the detach ends
+# only because from its start no write is acknowledged from the cache.
 "$PYTHON" - "$p_sock" "$d/stop" "$d/written" <<'EOF' &
-import os, sys, nbd
+import os, random, sys, nbd
 sock, stop, log = sys.argv[1:]
 h = nbd.NBD()
 h.connect_unix(sock)
 with open(log, "w") as f:
     i = 0
-    while i < 512 and not (i >= 64 and os.path.exists(stop)):
-        off = (8 << 20) + (i * 7 % 128) * 65536
-        h.pwrite(bytes([i % 251 + 1]) * 65536, off)
+    while not (i >= 64 and os.path.exists(stop)):
+        off = (8 << 20) + random.randrange(2048) * 4096
+        h.pwrite(bytes([i % 251 + 1]) * 4096, off)
         f.write(f"{off} {i % 251 + 1}\n")
         f.flush()
         i += 1
 h.shutdown()
 EOF
 writer=$!
-sleep 0.3
+for (( i = 0; i < 300; i++ )); do
+    [ "$(cat "$d/written" 2>/dev/null | wc -l)" -ge 64 ] && break
+    sleep 0.1
+done
 before=$(wc -l < "$d/written")
-C detach > "$d/detach.out" 2> "$d/detach.err" || {
+C detach --timeout 60 > "$d/detach.out" 2> "$d/detach.err" || {
     cat "$d/detach.out" "$d/detach.err"; fail "detach failed"; }
 after=$(wc -l < "$d/written")
 cat "$d/detach.out" "$d/detach.err"
@@ -100,7 +106,7 @@ with open(path, "r+b") as f:
     f.seek(1 << 20); f.write(open(a, "rb").read())
     for line in open(log):
         off, byte = map(int, line.split())
-        f.seek(off); f.write(bytes([byte]) * 65536)
+        f.seek(off); f.write(bytes([byte]) * 4096)
 EOF
 test "$(wc -l < "$d/written")" -ge 64 || fail "the writer wrote too little"
 nbdio "$remote_sock" dump "$d/remote"
@@ -131,7 +137,7 @@ nbdio "$remote_sock" fill $((2 * M)) 1M 0x29
 nbdio "$remote_sock" fill $((9 * M)) 64k 0x33
 start_proxy p bcache="$d/cache" bcache-ctl="$ctl" bcache-mode=writeback \
     2> "$d/restart.log"
-wait_ctl
+wait_ctl "$ctl"
 nbdio "$p_sock" check $((2 * M)) 1M 0x29 ||
     fail "after a restart the cache served data from before the detach"
 nbdio "$p_sock" check $((9 * M)) 64k 0x33 ||
@@ -149,7 +155,7 @@ start_remote_named erem --filter=error memory 32M error=EIO \
     error-pwrite-rate=100% error-file="$trigger"
 start_proxy q remote="$erem_sock" bcache="$d/cache2" bcache-size=64M \
     bcache-ctl="$ctl" bcache-mode=writeback
-wait_ctl
+wait_ctl "$ctl"
 C set writeback_running 0
 head -c 2M /dev/urandom > "$d/b"
 nbdio "$q_sock" wfile $((3 * M)) "$d/b"
