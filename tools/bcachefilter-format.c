@@ -649,9 +649,13 @@ describe_live (const struct options *o, const struct log_ctx *lc,
 static int
 refuse_losing_dirty (const struct options *o, const struct log_ctx *lc)
 {
-  char more[512];
+  char more[512], holder[1024];
   uint64_t dirty;
 
+  /* A cache in use is the engine's to refuse, naming its holder (what
+   * a running proxy's cache shows read-only is out of date anyway). */
+  if (bcf_claim_probe (o->path, holder, sizeof holder) == 1)
+    return -1;
   describe_live (o, lc, more, sizeof more, &dirty);
   if (dirty == 0)
     return -1;
