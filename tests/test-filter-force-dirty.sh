@@ -28,14 +28,12 @@ tmpdir d
 ctl="$d/ctl"
 M=$((1024 * 1024))
 F=(--filter="$BCACHEFILTER_SO" nbd)
-wait_ctl () { for _ in $(seq 300); do test -S "$ctl" && return; sleep 0.1; done
-              fail "no control socket at $ctl"; }
 
 start_remote memory 32M
 nbdio "$remote_sock" fill 0 32M 0x11
 start_proxy p bcache="$d/cache" bcache-size=64M bcache-ctl="$ctl" \
     bcache-mode=writeback
-wait_ctl
+wait_ctl "$ctl"
 bcachefilter-ctl -s "$ctl" set writeback_running 0
 head -c 2M /dev/urandom > "$d/b"
 nbdio "$p_sock" wfile $((4 * M)) "$d/b"
@@ -76,7 +74,7 @@ stop_nbdkit "$q_pid"
 
 # 3. Nothing was lost; flushed, force needs no second word.
 start_proxy p bcache="$d/cache" bcache-ctl="$ctl"
-wait_ctl
+wait_ctl "$ctl"
 nbdio "$p_sock" rfile $((4 * M)) 2M "$d/back"
 cmp "$d/back" "$d/b" || fail "a refused format changed the cache: its dirty data is gone"
 bcachefilter-ctl -s "$ctl" flush
