@@ -196,16 +196,6 @@ find_uuid (const struct bch_uuid_entry *uuids, unsigned n,
   return -1;
 }
 
-/* bcache's detach of a slot (bcache_device_detach): the uuid and the
- * first 16 bytes of the label become the invalid uuid. */
-static void
-invalidate_entry (struct bch_uuid_entry *u, uint32_t now)
-{
-  memcpy (u->uuid, bch_invalid_uuid, 16);
-  memcpy (u->label, bch_invalid_uuid, 16);
-  u->invalidated = now;
-}
-
 int
 bcf_bdev_pick_slot (const struct bch_sb *bsb, const uint8_t set_uuid[16],
                     struct bch_uuid_entry *uuids, unsigned n, uint32_t now,
@@ -259,7 +249,7 @@ bcf_bdev_pick_slot (const struct bch_sb *bsb, const uint8_t set_uuid[16],
                   : "attached to another cache set");
         return -EBUSY;
       }
-      invalidate_entry (&uuids[found], now);
+      bch_uuid_entry_invalidate (&uuids[found], now);
       *changed = true;
     }
     break;
@@ -329,6 +319,32 @@ bcf_bdev_attach (struct bcf_bdev *bd, const struct bcf_backing *b,
   case BCF_BDEV_OTHER_CLEAN:
     r = write_state_locked (bd, b, set_uuid, BCH_BDEV_STATE_CLEAN, err,
                             errlen);
+    break;
+  }
+  pthread_mutex_unlock (&bd->lock);
+  return r;
+}
+
+int
+bcf_bdev_detach (struct bcf_bdev *bd, const struct bcf_backing *b,
+                 const uint8_t set_uuid[16], char *err, size_t errlen)
+{
+  static const uint8_t none[16];
+  int r = 0;
+
+  pthread_mutex_lock (&bd->lock);
+  switch (bcf_bdev_relation (&bd->sb, set_uuid)) {
+  case BCF_BDEV_OURS_CLEAN:
+  case BCF_BDEV_OURS_DIRTY:       /* the caller wrote everything back */
+    r = write_state_locked (bd, b, none, BCH_BDEV_STATE_NONE, err, errlen);
+    break;
+  case BCF_BDEV_DETACHED:
+    break;
+  case BCF_BDEV_OTHER_CLEAN:
+  case BCF_BDEV_OTHER_DIRTY:
+    snprintf (err, errlen, "the backing device is attached to another "
+              "cache set, not to this one");
+    r = -EINVAL;
     break;
   }
   pthread_mutex_unlock (&bd->lock);

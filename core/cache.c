@@ -128,19 +128,30 @@ bcf_cache_close (struct bcf_cache *c)
   return r;
 }
 
-int
-bcf_cache_abandon (struct bcf_cache *c)
+/* May the cache stop holding its export (an abandon, a detach)?  Not
+ * read-only (-EROFS), and nothing dirty (-EBUSY): dirty data is the only
+ * copy of acknowledged writes.  The caller keeps dirty data from
+ * appearing afterwards (request.c). */
+static int
+may_let_go (struct bcf_cache *c)
 {
   uint64_t dirty;
-  int r;
 
   if (c->opts.readonly)
     return -EROFS;
   pthread_rwlock_rdlock (&c->tree_lock);
   dirty = btree_dirty_sectors (c);
   pthread_rwlock_unlock (&c->tree_lock);
-  if (dirty > 0)
-    return -EBUSY;
+  return dirty > 0 ? -EBUSY : 0;
+}
+
+int
+bcf_cache_abandon (struct bcf_cache *c)
+{
+  int r;
+
+  if ((r = may_let_go (c)) < 0)
+    return r;
   /* From here on every update fails, and close writes nothing. */
   c->failed = true;
   pthread_mutex_lock (&c->ckpt_lock);
@@ -156,6 +167,23 @@ bcf_cache_abandon (struct bcf_cache *c)
   else
     bcf_log (c, BCF_LOG_WARN, "cache device %s abandoned: the next open "
              "starts with an empty cache", c->opts.path);
+  return r;
+}
+
+int
+bcf_cache_detach (struct bcf_cache *c)
+{
+  int r;
+
+  if ((r = may_let_go (c)) < 0)
+    return r;
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = super_detach (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  if (r == 0)
+    bcf_log (c, BCF_LOG_INFO, "%s: detached from its export (uuid slot %u "
+             "invalidated): the next open starts with an empty cache",
+             c->opts.path, c->inode);
   return r;
 }
 
@@ -193,7 +221,7 @@ bool
 bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
                  uint64_t *bytes)
 {
-  if (bch_uuid_is_zero (c->owner.uuid))
+  if (!bch_uuid_entry_live (&c->owner))
     return false;
   memcpy (uuid, c->owner.uuid, 16);
   *bytes = c->owner.sectors << BCH_SECTOR_SHIFT;

@@ -954,6 +954,26 @@ bch_uuid_entry_encode (const struct bch_uuid_entry *u, void *buf128)
 }
 
 void
+bch_uuid_entry_invalidate (struct bch_uuid_entry *u, uint32_t now)
+{
+  memcpy (u->uuid, bch_invalid_uuid, 16);
+  memcpy (u->label, bch_invalid_uuid, 16);
+  u->invalidated = now;
+}
+
+bool
+bch_uuid_entry_detached (const struct bch_uuid_entry *u)
+{
+  return memcmp (u->uuid, bch_invalid_uuid, 16) == 0;
+}
+
+bool
+bch_uuid_entry_live (const struct bch_uuid_entry *u)
+{
+  return !bch_uuid_is_zero (u->uuid) && !bch_uuid_entry_detached (u);
+}
+
+void
 bch_uuid_entry_decode (const void *buf128, struct bch_uuid_entry *u)
 {
   const uint8_t *p = buf128;

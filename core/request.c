@@ -267,6 +267,7 @@ struct bcf_req {
   _Atomic uint64_t wb_writes, wb_cutoff_writes;
   uint64_t capacity_bytes;      /* of the cache's buckets */
   atomic_bool failing;          /* errors past the limit, dirty data kept */
+  _Atomic int detach;           /* enum bcf_detach_state */
 };
 
 static uint64_t cost_per_kib (struct read_cost *k);
@@ -716,6 +717,121 @@ bcf_req_flush_dirty (struct bcf_req *r, const struct bcf_backing *b,
   return bcf_req_writeback (r, b);
 }
 
+/* ---- detach ----------------------------------------------------------------------- */
+
+/* Wait until every write registered in the tracker before now has
+ * finished (W5): register the whole backing store, wait for the turn,
+ * and let the writes queued behind go again.  See bcf_req_detach_drain
+ * for what it is for. */
+static void
+wait_for_writes_in_flight (struct bcf_req *r)
+{
+  struct bcf_bypass_token tok;
+
+  bcf_bypass_begin (r->tracker, 0, r->size, &tok);
+  bcf_bypass_wait_turn (r->tracker, &tok);
+  bcf_bypass_end (r->tracker, &tok);
+}
+
+/* The argument: at the end, nothing is dirty and nothing can become
+ * dirty again, so the export has every acknowledged write.
+ *
+ *  D1. detach = DRAINING.  A write that reads it (at W1 or later: the
+ *      decision to write back, should_write_back, and to cache, are made
+ *      after register_change) caches nothing except over dirty data, and
+ *      acknowledges nothing from the cache: its data reaches the export
+ *      before it completes.
+ *  D2. wait_for_writes_in_flight.  A write registered after the barrier
+ *      read DRAINING: its registration took the tracker's lock after the
+ *      barrier's did, which was after D1's store.  A write registered
+ *      before it has finished W5, so the dirty keys it made as a
+ *      writeback-mode write (before it could see D1) are in the tree and
+ *      counted in dirty_bytes now.
+ *  D3. write back at full speed until dirty_bytes is 0.  After D2 only
+ *      writes over dirty data make dirty keys (every mode caches them as
+ *      writethrough does), and such a write holds its span in the tracker
+ *      from before its check (span_dirty, with dirty_bytes > 0) until
+ *      after its keys are clean again or, its backing write failed, kept
+ *      dirty: the writeback of that span waits for it, so dirty_bytes
+ *      stays above 0 for the whole of its life.  Once dirty_bytes is seen
+ *      at 0, no such write is in flight and none can start (a span is
+ *      dirty only if something is).  So it stays 0.
+ * Then bcf_req_detach_finish may mark the cache detached and pass
+ * everything through: requests already under way finish with the cache
+ * (clean data, never served again), later ones never touch it.
+ *
+ * The waiting is D3's, bounded by the export: go_on is asked about once
+ * a second whether to go on. */
+int
+bcf_req_detach_drain (struct bcf_req *r, const struct bcf_backing *b,
+                      bool (*go_on) (void *opaque, uint64_t dirty),
+                      void *opaque)
+{
+  int expected = BCF_DETACH_NONE;
+  int rc = 0;
+
+  if (!atomic_compare_exchange_strong (&r->detach, &expected,
+                                       BCF_DETACH_DRAINING))
+    return expected == BCF_DETACH_DONE ? -EALREADY : -EBUSY;
+  wait_for_writes_in_flight (r);                               /* D2 */
+  while (bcf_cache_dirty_bytes (r->c) > 0) {                    /* D3 */
+    rc = bcf_req_flush_dirty (r, b, 1000, NULL, NULL);
+    if (rc == -ETIMEDOUT)
+      rc = 0;
+    if (rc < 0)
+      break;
+    if (go_on && !go_on (opaque, bcf_cache_dirty_bytes (r->c))) {
+      rc = -ECANCELED;
+      break;
+    }
+  }
+  if (rc < 0)
+    atomic_store (&r->detach, BCF_DETACH_NONE);
+  return rc;
+}
+
+void
+bcf_req_detach_cancel (struct bcf_req *r)
+{
+  int expected = BCF_DETACH_DRAINING;
+
+  atomic_compare_exchange_strong (&r->detach, &expected, BCF_DETACH_NONE);
+}
+
+/* After the drain: mark the cache, then pass through.  abandoned is
+ * stored before passthrough, so a write that finds the cache off finds
+ * it marked too (invalidate_durably), and never writes an abandon over
+ * the detach mark. */
+int
+bcf_req_detach_finish (struct bcf_req *r)
+{
+  int rc;
+
+  if (atomic_load (&r->detach) != BCF_DETACH_DRAINING)
+    return -EINVAL;
+  rc = bcf_cache_detach (r->c);
+  if (rc == -EBUSY)
+    return rc;                  /* dirty data: the caller cancels */
+  if (rc < 0) {
+    /* The export has everything, but the cache cannot say so: give it
+     * up as after device errors (its next open starts empty, once that
+     * mark is written). */
+    go_passthrough (r);
+  }
+  else {
+    atomic_store (&r->abandoned, true);
+    atomic_store (&r->passthrough, true);
+  }
+  atomic_store (&r->detach, BCF_DETACH_DONE);
+  return rc;
+}
+
+enum bcf_detach_state
+bcf_req_detach_state (struct bcf_req *r)
+{
+  return (enum bcf_detach_state) atomic_load (&r->detach);
+}
+
 enum bcf_cache_mode
 bcf_req_mode (struct bcf_req *r)
 {
@@ -827,6 +943,7 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   st->io_error_limit = r->error_limit;
   st->io_error_halflife = r->halflife;
   st->passthrough = atomic_load (&r->passthrough);
+  st->detach = bcf_req_detach_state (r);
   bcf_bypass_get_mem (r->tracker, &m);
   st->bypass_bytes_now = m.bytes;
   st->bypass_bytes_peak = m.peak_bytes;
@@ -920,6 +1037,15 @@ inner_of (const struct bcf_req *r, uint64_t offset, uint64_t count)
   if (s.start > s.end)
     s.start = s.end;
   return s;
+}
+
+/* Is a detach draining the cache (bcf_req_detach_drain)?  Then writes
+ * are cached only over dirty data, as in writearound, and none is
+ * written back later: no new dirty data is made. */
+static bool
+detaching (struct bcf_req *r)
+{
+  return atomic_load (&r->detach) == BCF_DETACH_DRAINING;
 }
 
 /* Is the cache off: given up after errors, or its device changed under
@@ -1481,7 +1607,7 @@ should_write_back (struct bcf_req *r, bool bypass, bool dirty, bool fua)
     in_use = dirty_share;
 
   if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
-      atomic_load (&r->failing))
+      atomic_load (&r->failing) || detaching (r))
     return false;
   if (in_use > BCF_WB_CUTOFF_SYNC ||
       (!dirty && !bypass && !fua && in_use > BCF_WB_CUTOFF)) {
@@ -1599,7 +1725,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
    * invalidation instead would drop the old dirty data durably before
    * the backing store has the write, and a crash between the two would
    * leave the export's older data (time travel past a flush). */
-  insert = !off && (dirty || (!bypass &&
+  insert = !off && (dirty || (!bypass && !detaching (r) &&
                               atomic_load (&r->mode) != BCF_MODE_WRITEAROUND &&
                               atomic_load (&r->mode) != BCF_MODE_NONE));
   back = !off && should_write_back (r, bypass, dirty, fua);

@@ -229,7 +229,42 @@ check_cache (const char *path, const struct bcf_probe_opts *opts,
     return;
   }
   v->has_owner = bcf_cache_owner (c, v->owner_uuid, &v->owner_bytes);
+  v->dirty_bytes = bcf_cache_dirty_bytes (c);
   bcf_cache_close (c);
+}
+
+/* A forced format of a cache that holds dirty data loses acknowledged
+ * writes, which exist nowhere else: refused unless discard_dirty says it
+ * is meant (DESIGN.md: a cache holding dirty data is never discarded
+ * silently).  The count comes from a read-only open (check_cache), as
+ * bcachefilter-show's; a cache that cannot be opened for it (corrupt:
+ * what force is there for) is formatted. */
+static int
+refuse_losing_dirty (struct bcf_cache *c, struct bcf_device_verdict *v,
+                     char *err, size_t errlen)
+{
+  const struct bcf_probe_opts po = {
+    .check = true, .direct_off = c->opts.direct_off,
+  };
+  const char *path = bcf_io_path (c->io);
+
+  if (c->opts.discard_dirty)
+    return 0;
+  check_cache (path, &po, v);
+  if (v->kind != BCF_DEVICE_CACHE) {
+    bcf_log (c, BCF_LOG_WARN, "%s: formatting as forced; its dirty data, if "
+             "any, cannot be counted: %s", path, v->reason);
+    return 0;
+  }
+  if (v->dirty_bytes == 0)
+    return 0;
+  snprintf (err, errlen, "%s holds %" PRIu64 " bytes (%.1f MiB) of dirty "
+            "data, writes acknowledged to clients that its export does not "
+            "have yet: formatting it would lose them.  Open it with its "
+            "export and write them back first (bcachefilter-ctl flush or "
+            "detach), or ask for their loss explicitly", path,
+            v->dirty_bytes, (double) v->dirty_bytes / (1 << 20));
+  return -EBUSY;
 }
 
 int
@@ -424,7 +459,12 @@ uuid_write (struct bcf_cache *c)
     alloc_release_meta (c, nb);
     return r;
   }
+  /* Under the journal's lock: journal_write_locked names it in every
+   * entry, and a detach (super_detach) writes it while the journal
+   * thread runs. */
+  pthread_mutex_lock (&c->journal.lock);
   c->uuid_bucket = nb;
+  pthread_mutex_unlock (&c->journal.lock);
   r = journal_meta (c);
   if (r == 0 && had_old && old != nb)
     alloc_release_meta (c, old);
@@ -460,6 +500,41 @@ uuid_read (struct bcf_cache *c, const struct bkey *k, char *err,
   bcf_buf_free (buf, c->bucket_bytes);
   c->uuid_bucket = b;
   return r;
+}
+
+/* Detach the export from the cache, durably (bcf_cache_detach): its
+ * slot becomes bcache's invalid uuid, written with a new uuid bucket and
+ * a journal entry that names it (uuid_write), as the kernel's
+ * bcache_device_detach does.  Under ckpt_lock (the metadata writers'
+ * lock; the other threads run).  The entry in memory is restored if the
+ * write fails: the cache then still holds the export, as on disk. */
+int
+super_detach (struct bcf_cache *c)
+{
+  struct bch_uuid_entry was;
+  int r;
+
+  if (c->failed)
+    return -EIO;
+  if (!c->uuids || !bch_uuid_entry_live (&c->uuids[c->inode]))
+    return -ENOENT;
+  was = c->uuids[c->inode];
+  bch_uuid_entry_invalidate (&c->uuids[c->inode], (uint32_t) time (NULL));
+  if ((r = uuid_write (c)) < 0)
+    c->uuids[c->inode] = was;
+  return r;
+}
+
+/* The first slot that names a device (a read-only open's owner: what a
+ * caller checks before it opens the cache for an export); NULL if none
+ * does, as in a new cache or one whose export was detached. */
+static const struct bch_uuid_entry *
+first_live_slot (const struct bcf_cache *c)
+{
+  for (unsigned i = 0; i < c->nr_uuids; i++)
+    if (bch_uuid_entry_live (&c->uuids[i]))
+      return &c->uuids[i];
+  return NULL;
 }
 
 /* ---- layout marks ------------------------------------------------------------ */
@@ -687,15 +762,52 @@ recover_intent (struct bcf_cache *c)
   return r;
 }
 
+/* Slot 0 was detached (bcf_cache_detach, or a kernel's detach): its
+ * export was written back whole and may have been written elsewhere
+ * since, so nothing here may be served to it again.  The cache starts
+ * empty (*detached; super_open), whatever export opens it, unless it
+ * holds what that would lose: dirty data (never after a detach, which
+ * writes it back first; a refusal rather than a silent loss), or
+ * another device's slot. */
+static int
+detached_identity (struct bcf_cache *c, bool *detached, char *err,
+                   size_t errlen)
+{
+  const char *path = bcf_io_path (c->io);
+  const struct bch_uuid_entry *other = first_live_slot (c);
+  uint64_t dirty = btree_dirty_sectors (c);
+
+  if (other) {
+    char u[37];
+
+    bch_uuid_unparse (other->uuid, u);
+    snprintf (err, errlen, "%s: its export was detached from it, but it "
+              "caches another device too (bcache backing device %s): it "
+              "cannot start empty for a plain export", path, u);
+    return -EEXIST;
+  }
+  if (dirty) {
+    snprintf (err, errlen, "%s: its export was detached from it, but it "
+              "holds %" PRIu64 " bytes of dirty data, which a detach never "
+              "leaves and which is never discarded silently: check it with "
+              "bcachefilter-show --fsck", path, dirty << BCH_SECTOR_SHIFT);
+    return -EUCLEAN;
+  }
+  *detached = true;
+  return 0;
+}
+
 /* Is slot 0 this plain export's?  An empty slot 0 (a cache never
- * attached to an export) is claimed by the caller.  A size of 0 in the
+ * attached to an export) is claimed by the caller; a detached one
+ * (detached_identity) makes the cache start empty.  A size of 0 in the
  * entry is "not recorded" (the kernel leaves it 0 for backing devices):
  * then the uuid alone decides.  Another export, or this one with another
  * size (a resized export: cached data may not be where the export's is
  * now), is refused unless discard_foreign is set and the cache holds no
  * dirty data, which sets *foreign. */
 static int
-plain_identity (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
+plain_identity (struct bcf_cache *c, bool *foreign, bool *detached,
+                char *err, size_t errlen)
 {
   const struct bch_uuid_entry *u = &c->uuids[0];
   const bool other = memcmp (u->uuid, c->opts.backing_uuid, 16) != 0;
@@ -707,6 +819,8 @@ plain_identity (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   const char *tail;
   uint64_t dirty;
 
+  if (bch_uuid_entry_detached (u))
+    return detached_identity (c, detached, err, errlen);
   if (bch_uuid_is_zero (u->uuid) || (!other && !resized))
     return 0;
   dirty = btree_dirty_sectors (c);
@@ -737,7 +851,8 @@ plain_identity (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
 }
 
 static int
-open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
+open_existing (struct bcf_cache *c, bool *foreign, bool *detached, char *err,
+               size_t errlen)
 {
   struct journal_replay jr;
   struct ckey root;
@@ -745,7 +860,7 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   bool write_uuids = false;
   int r;
 
-  *foreign = false;
+  *foreign = *detached = false;
   if ((r = alloc_init (c)) < 0 || (r = journal_init (c)) < 0 ||
       (r = btree_init (c)) < 0) {
     snprintf (err, errlen, "initialising the cache: %s", strerror (-r));
@@ -760,7 +875,8 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
   }
   if ((r = uuid_read (c, &jr.uuid_bucket.key, err, errlen)) < 0)
     return r;
-  c->owner = c->uuids[0];
+  if (first_live_slot (c))
+    c->owner = *first_live_slot (c);
   if (!ckey_from_bkey (&jr.root.key, &root) || !ckey_has_ptr (&root) ||
       bucket_of_ptr (c, root.ptr) >= c->sb.nbuckets ||
       jr.root_level > 16) {
@@ -793,7 +909,8 @@ open_existing (struct bcf_cache *c, bool *foreign, char *err, size_t errlen)
       return r;
   }
   else {
-    if ((r = plain_identity (c, foreign, err, errlen)) < 0 || *foreign)
+    if ((r = plain_identity (c, foreign, detached, err, errlen)) < 0 ||
+        *foreign || *detached)
       return r;
     if (bch_uuid_is_zero (c->uuids[0].uuid)) {
       our_uuid_entry (c, &c->uuids[0]);
@@ -857,12 +974,46 @@ zero_superblock (struct bcf_cache *c)
   return r;
 }
 
+/* The export of this cache was detached from it (detached_identity):
+ * say so, and start empty with the geometry it has.  As an abandon
+ * does, the superblock is written first with CACHE_SYNC clear and a new
+ * set uuid (super_abandon says why the uuid), so that a crash before
+ * the first registration below is done leaves a device that registers
+ * afresh, never the old keys. */
+static int
+restart_detached (struct bcf_cache *c, char *err, size_t errlen)
+{
+  const struct bch_uuid_entry u = c->uuids[0];
+  const char *path = bcf_io_path (c->io);
+  char when[64] = "at an unknown time", size[64] = "a bcache backing device";
+  time_t t = (time_t) u.invalidated;
+  struct tm tm;
+  int r;
+
+  if (u.invalidated && gmtime_r (&t, &tm))
+    strftime (when, sizeof when, "on %Y-%m-%d %H:%M:%S UTC", &tm);
+  if (u.sectors)
+    snprintf (size, sizeof size, "an export of %" PRIu64 " bytes",
+              u.sectors << BCH_SECTOR_SHIFT);
+  bcf_log (c, BCF_LOG_WARN, "%s: its export (%s) was detached from it %s, "
+           "with nothing dirty left: starting with an empty cache, as the "
+           "export may have been written elsewhere since", path, size, when);
+  drop_state (c);
+  if ((r = super_abandon (c)) < 0) {
+    snprintf (err, errlen, "%s: starting empty after a detach: writing the "
+              "superblock: %s", path, strerror (-r));
+    return r;
+  }
+  set_geometry (c);
+  return first_registration (c, err, errlen);
+}
+
 int
 super_open (struct bcf_cache *c, char *err, size_t errlen)
 {
   const char *path = bcf_io_path (c->io);
   struct bcf_device_verdict v;
-  bool foreign;
+  bool foreign, detached;
   int r;
 
   if ((r = probe_io (c->io, &v, err, errlen)) < 0)
@@ -882,7 +1033,9 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
            ? -EMEDIUMTYPE : -EUCLEAN;
   }
   if (c->opts.format == BCF_FORMAT_FORCE) {
-    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0)
+    if ((r = bdev_refuse_format (c, NULL, err, errlen)) < 0 ||
+        (v.kind == BCF_DEVICE_CACHE &&
+         (r = refuse_losing_dirty (c, &v, err, errlen)) < 0))
       return r;
     if (v.kind != BCF_DEVICE_BLANK && (r = zero_superblock (c)) < 0) {
       snprintf (err, errlen, "clearing the old superblock of %s: %s", path,
@@ -944,7 +1097,9 @@ super_open (struct bcf_cache *c, char *err, size_t errlen)
       return r;
     return first_registration (c, err, errlen);
   }
-  r = open_existing (c, &foreign, err, errlen);
+  r = open_existing (c, &foreign, &detached, err, errlen);
+  if (r == 0 && detached)
+    return restart_detached (c, err, errlen);
   if (r == 0 && foreign) {
     bcf_log (c, BCF_LOG_WARN, "%s: discarding a clean cache of another "
              "export, as asked", path);

@@ -15,6 +15,10 @@ int super_open (struct bcf_cache *c, char *err, size_t errlen);
 /* Free what super_open built. */
 void super_close_state (struct bcf_cache *c);
 int super_abandon (struct bcf_cache *c);
+/* Invalidate the export's uuid slot on disk (bcf_cache_detach), with
+ * ckpt_lock held.  Returns 0, -ENOENT if the slot names no export, or
+ * -errno (nothing changed). */
+int super_detach (struct bcf_cache *c);
 /* Set or clear BCF_FEATURE_INCOMPAT_WRITE_INTENT in the superblock on
  * disk (the version is 5 while it is set), durably.  Takes ckpt_lock.
  * Returns 0 or -errno (the superblock in memory is then unchanged). */

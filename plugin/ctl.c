@@ -36,6 +36,15 @@
  *   set writeback_percent N (and the other
  *   writeback_ knobs)                       ops->set; N whole decimal
  *   trigger_gc (or trigger-gc)              ops->trigger_gc
+ *   writeback_flush                         ops->writeback_flush (starts
+ *                                           it; the client follows
+ *                                           dirty_data in the stats)
+ *   detach                                  ops->detach (starts it; the
+ *                                           client follows detach_status)
+ *   detach_status                           ops->detach_status: one line,
+ *                                           STATE [MESSAGE], STATE one of
+ *                                           none, draining, detached,
+ *                                           failed
  *   show super [--json]                     ops->show_super
  *   help                                    the list above
  *
@@ -147,7 +156,7 @@
 
 #define VALID_COMMANDS \
   "stats [--json], set NAME VALUE, trigger_gc, writeback_flush, " \
-  "show super [--json], help"
+  "detach, detach_status, show super [--json], help"
 
 static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
@@ -519,6 +528,24 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
     reply_ok (r, "");
 }
 
+/* A command without arguments or output that starts something in the
+ * filter (fn): "ok" and an empty body, or the filter's error. */
+static void
+run_action (struct reply *r, const char *what,
+            int (*fn) (char *err, size_t errlen), size_t nw)
+{
+  char err[CTL_ERR_MAX] = "";
+
+  if (nw != 1)
+    reply_error (r, "usage: %s (no arguments)", what);
+  else if (fn == NULL)
+    reply_error (r, "%s is not supported by this filter", what);
+  else if (fn (err, sizeof err) != 0)
+    reply_error (r, "%s", err);
+  else
+    reply_ok (r, "");
+}
+
 static const char help_text[] =
   "stats [--json]              hit/miss/bypass counters (total, five_minute, hour, day)\n"
   "set cache_mode MODE         MODE: writethrough, writeback, writearound or none\n"
@@ -532,6 +559,9 @@ static const char help_text[] =
   "set writeback_rate_update_seconds S  the rate controller's period, 1-60\n"
   "trigger_gc                  start a garbage collection\n"
   "writeback_flush             write back everything now, at full speed\n"
+  "detach                      write back everything, then pass through and\n"
+  "                            mark the cache detached from its export\n"
+  "detach_status               how the detach stands\n"
   "show super [--json]         the cache superblock\n"
   "help                        this list\n";
 
@@ -591,29 +621,17 @@ handle_line (const struct bcf_ctl_ops *ops, char *line, size_t len,
                    "set sequential_cutoff SIZE");
   }
   else if (strcmp (word[0], "trigger_gc") == 0 ||
-           strcmp (word[0], "trigger-gc") == 0) {
-    char err[CTL_ERR_MAX] = "";
-
-    if (nw != 1)
-      reply_error (r, "usage: trigger_gc (no arguments)");
-    else if (ops->trigger_gc == NULL)
-      reply_error (r, "trigger_gc is not supported by this filter");
-    else if (ops->trigger_gc (err, sizeof err) != 0)
-      reply_error (r, "%s", err);
+           strcmp (word[0], "trigger-gc") == 0)
+    run_action (r, "trigger_gc", ops->trigger_gc, nw);
+  else if (strcmp (word[0], "writeback_flush") == 0)
+    run_action (r, "writeback_flush", ops->writeback_flush, nw);
+  else if (strcmp (word[0], "detach") == 0)
+    run_action (r, "detach", ops->detach, nw);
+  else if (strcmp (word[0], "detach_status") == 0) {
+    if (nw == 1)
+      run_output (r, "detach_status", ops->detach_status, false);
     else
-      reply_ok (r, "");
-  }
-  else if (strcmp (word[0], "writeback_flush") == 0) {
-    char err[CTL_ERR_MAX] = "";
-
-    if (nw != 1)
-      reply_error (r, "usage: writeback_flush (no arguments)");
-    else if (ops->writeback_flush == NULL)
-      reply_error (r, "writeback_flush is not supported by this filter");
-    else if (ops->writeback_flush (err, sizeof err) != 0)
-      reply_error (r, "%s", err);
-    else
-      reply_ok (r, "");
+      reply_error (r, "usage: detach_status (no arguments)");
   }
   else if (strcmp (word[0], "help") == 0) {
     if (nw == 1)

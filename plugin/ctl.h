@@ -18,6 +18,8 @@
  *       writeback_rate_update_seconds N
  *   trigger_gc
  *   writeback_flush
+ *   detach
+ *   detach_status
  *   show super [--json]
  */
 #ifndef BCACHEFILTER_PLUGIN_CTL_H
@@ -42,6 +44,12 @@ struct bcf_ctl_ops {
   int (*trigger_gc) (char *err, size_t errlen);
   /* Start a full-speed writeback of everything dirty; returns at once. */
   int (*writeback_flush) (char *err, size_t errlen);
+  /* Start detaching the cache from its export (or let the caller follow
+   * the detach under way or done); returns at once. */
+  int (*detach) (char *err, size_t errlen);
+  /* One line: how the detach stands ("none", "draining ...", "detached
+   * ...", "failed ..."), and what it did or why it failed. */
+  int (*detach_status) (FILE *fp, bool json, char *err, size_t errlen);
   int (*show_super) (FILE *fp, bool json, char *err, size_t errlen);
 };
 

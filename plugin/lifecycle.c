@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,12 +90,14 @@ static int update_bdev_state (const struct bcf_backing *b,
 /* The backing device (bdev) is attached to the open cache. */
 static bool bdev_attached;
 
+static bool detach_refuses_mode (char *err, size_t errlen);
+
 static int
 set_setting (const char *name, const char *value, char *err, size_t errlen)
 {
   if (strcmp (name, "cache_mode") == 0) {
     int m = parse_mode (value, err, errlen);
-    if (m < 0)
+    if (m < 0 || detach_refuses_mode (err, errlen))
       return -1;
     if (m == BCF_MODE_WRITEBACK && update_bdev_state (bk_background (),
                                                       BCF_MODE_WRITEBACK) < 0) {
@@ -247,10 +251,227 @@ ctl_show_super (FILE *fp, bool json, char *err, size_t errlen)
   return 0;
 }
 
+/* ---- detach (bcachefilter-ctl detach; lifecycle.h) ------------------------------- */
+
+/* The detach runs on a thread of its own, which waits for the export;
+ * the control socket only starts it and reads how it stands (detach and
+ * detach_status), so its serving thread never waits.  detach_lock
+ * guards the state below; the thread holds state_lock for reading while
+ * it uses the cache (as the socket's operations do), and .cleanup stops
+ * and joins it before closing the cache. */
+enum detach_phase { DETACH_IDLE, DETACH_RUNNING, DETACH_DONE, DETACH_FAILED };
+static pthread_mutex_t detach_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_t detach_thread;
+static bool detach_joinable;
+static enum detach_phase detach_phase;
+static char detach_msg[1024];
+static atomic_bool detach_stop;         /* .cleanup: stop draining */
+
+/* The thread's result: the phase and the line detach_status shows (also
+ * in the debug log). */
+static void __attribute__ ((format (printf, 2, 3)))
+detach_end (enum detach_phase phase, const char *fs, ...)
+{
+  va_list args;
+
+  pthread_mutex_lock (&detach_lock);
+  va_start (args, fs);
+  vsnprintf (detach_msg, sizeof detach_msg, fs, args);
+  va_end (args);
+  detach_phase = phase;
+  nbdkit_debug ("bcachefilter: %s", detach_msg);
+  pthread_mutex_unlock (&detach_lock);
+}
+
+/* A mode change while a detach runs or after it would undo what the
+ * detach decided (a switch to writeback marks a backing device dirty).
+ * True, with the reason in err, if that is now. */
+static bool
+detach_refuses_mode (char *err, size_t errlen)
+{
+  enum detach_phase p;
+
+  pthread_mutex_lock (&detach_lock);
+  p = detach_phase;
+  pthread_mutex_unlock (&detach_lock);
+  if (p == DETACH_RUNNING)
+    snprintf (err, errlen, "a detach is under way (bcachefilter-ctl "
+              "detach_status): the mode cannot change now");
+  else if (p == DETACH_DONE)
+    snprintf (err, errlen, "the cache is detached from its export: it "
+              "passes everything through until nbdkit stops");
+  return p == DETACH_RUNNING || p == DETACH_DONE;
+}
+
+static bool
+detach_go_on (void *opaque, uint64_t dirty)
+{
+  return !atomic_load (&detach_stop);
+}
+
+/* Between the drain and the cache's mark: a backing device is detached
+ * from this cache set on its own superblock, as the kernel's detach does
+ * (bcf_bdev_detach), so that it can be attached elsewhere.  0, or -1 with
+ * the reason in err. */
+static int
+detach_backing_device (char *err, size_t errlen)
+{
+  char why[512];
+
+  if (!bdev || !bdev_attached)
+    return 0;
+  if (bcf_bdev_detach (bdev, bk_background (),
+                       bcf_cache_super (cache)->set_uuid, why,
+                       sizeof why) < 0) {
+    snprintf (err, errlen, "%s", why);
+    return -1;
+  }
+  bdev_attached = false;
+  return 0;
+}
+
+/* What the backing device's superblock says now, for the final line. */
+static void
+describe_backing_device (char *buf, size_t len)
+{
+  char dev[37];
+  struct bch_sb sb;
+
+  buf[0] = '\0';
+  if (!bdev)
+    return;
+  bcf_bdev_super (bdev, &sb);
+  bch_uuid_unparse (sb.uuid, dev);
+  snprintf (buf, len, "; bcache backing device %s is detached from this "
+            "cache set (its superblock: no cache set, state %s), so it can "
+            "be attached to another", dev,
+            bch_bdev_state_name (bch_bdev_state (&sb)));
+}
+
+/* The thread: drain (write back everything, make no new dirty data),
+ * detach a backing device, mark the cache and pass through.  Anything
+ * that fails before the mark leaves everything as it was. */
+static void *
+detach_main (void *arg)
+{
+  char err[512], bd[256];
+  uint64_t dirty;
+  const char *mode;
+  int r;
+
+  pthread_rwlock_rdlock (&state_lock);
+  r = bcf_req_detach_drain (req, bk_background (), detach_go_on, NULL);
+  dirty = bcf_cache_dirty_bytes (cache);
+  mode = bcf_cache_mode_name (bcf_req_mode (req));
+  if (r < 0)
+    detach_end (DETACH_FAILED, "detach failed: %s%s%s; nothing was "
+                "changed: %" PRIu64 " bytes of dirty data stay in the "
+                "cache, which goes on serving in %s mode%s",
+                r == -ECANCELED ? "nbdkit is stopping"
+                : "writing the dirty data back to the export failed (",
+                r == -ECANCELED ? "" : strerror (-r),
+                r == -ECANCELED ? "" : ")", dirty, mode,
+                r == -ECANCELED ? "" : ".  Run detach again once the "
+                "export takes writes");
+  else if (detach_backing_device (err, sizeof err) < 0) {
+    bcf_req_detach_cancel (req);
+    detach_end (DETACH_FAILED, "detach failed: the dirty data is written "
+                "back, but the backing device's superblock could not be "
+                "updated: %s; nothing else was changed: the cache goes on "
+                "serving in %s mode", err, mode);
+  }
+  else if ((r = bcf_req_detach_finish (req)) == -EBUSY) {
+    bcf_req_detach_cancel (req);
+    detach_end (DETACH_FAILED, "detach failed: dirty data appeared after "
+                "the writeback (%" PRIu64 " bytes); the cache goes on "
+                "serving in %s mode", dirty, mode);
+  }
+  else if (r < 0)
+    detach_end (DETACH_FAILED, "detach failed: the export has all the "
+                "data, but the cache could not be marked detached (%s): it "
+                "is given up instead, as after device errors, and passes "
+                "everything through (see the log)", strerror (-r));
+  else {
+    describe_backing_device (bd, sizeof bd);
+    detach_end (DETACH_DONE, "detached: all dirty data is written back to "
+                "the export; the cache passes everything through until "
+                "nbdkit stops, and its next start begins with nothing "
+                "cached for this export%s", bd);
+  }
+  pthread_rwlock_unlock (&state_lock);
+  bcf_release_memory ();        /* this thread's ring */
+  return NULL;
+}
+
+/* bcachefilter-ctl detach: start the thread, or let the caller follow
+ * the one under way or done (detach_status says which). */
+static int
+ctl_detach (char *err, size_t errlen)
+{
+  int r = 0;
+
+  if (!ctl_begin (err, errlen))
+    return -1;
+  pthread_mutex_lock (&detach_lock);
+  if (detach_phase == DETACH_RUNNING || detach_phase == DETACH_DONE)
+    goto out;
+  if (!attached) {
+    snprintf (err, errlen, "the cache holds no export yet (a new cache is "
+              "attached to its export at the first client connection): "
+              "there is nothing to detach");
+    r = -1;
+    goto out;
+  }
+  if (detach_joinable)          /* a failed attempt: it has ended */
+    pthread_join (detach_thread, NULL);
+  detach_joinable = false;
+  detach_phase = DETACH_RUNNING;
+  snprintf (detach_msg, sizeof detach_msg, "writing the dirty data back");
+  r = pthread_create (&detach_thread, NULL, detach_main, NULL);
+  if (r != 0) {
+    detach_phase = DETACH_FAILED;
+    snprintf (err, errlen, "cannot start the detach: %s", strerror (r));
+    r = -1;
+    goto out;
+  }
+  detach_joinable = true;
+ out:
+  pthread_mutex_unlock (&detach_lock);
+  ctl_end ();
+  return r;
+}
+
+static int
+ctl_detach_status (FILE *fp, bool json, char *err, size_t errlen)
+{
+  static const char *const names[] = {
+    [DETACH_IDLE] = "none", [DETACH_RUNNING] = "draining",
+    [DETACH_DONE] = "detached", [DETACH_FAILED] = "failed",
+  };
+
+  pthread_mutex_lock (&detach_lock);
+  fprintf (fp, "%s%s%s\n", names[detach_phase],
+           detach_phase == DETACH_IDLE ? "" : " ", detach_msg);
+  pthread_mutex_unlock (&detach_lock);
+  return 0;
+}
+
+/* .cleanup: a drain under way stops (nothing changes), then the thread
+ * is joined, before the cache it uses is closed. */
+static void
+stop_detach (void)
+{
+  atomic_store (&detach_stop, true);
+  if (detach_joinable)
+    pthread_join (detach_thread, NULL);
+  detach_joinable = false;
+}
+
 static const struct bcf_ctl_ops ctl_ops = {
   .stats = ctl_stats, .set = ctl_set, .trigger_gc = ctl_trigger_gc,
   .writeback_flush = ctl_writeback_flush,
   .show_super = ctl_show_super,
+  .detach = ctl_detach, .detach_status = ctl_detach_status,
 };
 
 /* ---- .get_ready ------------------------------------------------------------------- */
@@ -311,6 +532,7 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   o.io_mode = cfg.io_mode;
   o.direct_off = !cfg.direct;
   o.format = format;
+  o.discard_dirty = cfg.discard_dirty;
   o.bucket_sectors = probe_format_bucket_sectors (verdict.size);
   o.block_sectors = (unsigned) (cfg.block_size >> 9);
   o.min_buckets = BCH_KERNEL_MIN_NBUCKETS;
@@ -666,6 +888,7 @@ filter_cleanup (nbdkit_backend *backend)
     bcf_ctl_stop ();
     ctl_running = false;
   }
+  stop_detach ();               /* no new one: the socket is closed */
   close_engine ();
   bcf_bdev_free (bdev);         /* the cache, which used it, is closed */
   bdev = NULL;

@@ -54,12 +54,28 @@
  * open prints the line above, once, and only in a run that has dirty
  * data to write back (in the clean modes: what a crash left).
  *
+ * Detach
+ * ------
+ * bcachefilter-ctl detach (before the export is used from another host):
+ * a thread of its own drains the request layer (no new dirty data,
+ * everything written back: bcf_req_detach_drain, which argues the
+ * ordering), detaches a bcache backing device on its superblock
+ * (bcf_bdev_detach, as the kernel's detach does), then marks the cache
+ * detached and passes everything through for the rest of the process
+ * (bcf_req_detach_finish; the next start begins with nothing cached for
+ * the export).  The control socket starts it and reads how it stands
+ * (detach_status), so its serving thread never waits for the export.  A
+ * failure before the mark (the export fails the writeback, or the
+ * superblock write) leaves everything as it was.  .cleanup stops a drain
+ * under way (nothing changes) and joins the thread before closing.
+ *
  * Locking: cache and req change only in .after_fork, in the one attach
  * (under state_lock for writing, before any connection has passed
  * .prepare) and in .cleanup (after the last connection).  The request
  * callbacks read req without a lock: their connection's .prepare
  * returned after the attach.  The control socket's operations run on its
- * own thread and hold state_lock for reading.
+ * own thread and hold state_lock for reading, as the detach thread does
+ * for its whole run; detach_lock guards the detach's phase and message.
  */
 #ifndef BCACHEFILTER_PLUGIN_LIFECYCLE_H
 #define BCACHEFILTER_PLUGIN_LIFECYCLE_H

@@ -170,10 +170,16 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       cfg.format = BCF_FORMAT_NEVER;
     else if (strcmp (value, "force") == 0)
       cfg.format = BCF_FORMAT_FORCE;
+    else if (strcmp (value, "force-discard-dirty") == 0) {
+      cfg.format = BCF_FORMAT_FORCE;
+      cfg.discard_dirty = true;
+    }
     else {
       nbdkit_error ("bcache-format=%s: use auto (format a blank device or "
                     "one made by make-bcache -C), never (open an existing "
-                    "cache only) or force (destroy what is there)", value);
+                    "cache only), force (destroy what is there, unless it is "
+                    "a cache holding dirty data) or force-discard-dirty "
+                    "(destroy it even then)", value);
       return -1;
     }
   }

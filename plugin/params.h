@@ -26,6 +26,7 @@ struct filter_config {
   const char *path;                     /* bcache= */
   int64_t create_size;                  /* bcache-size= */
   enum bcf_format_policy format;        /* bcache-format= */
+  bool discard_dirty;                   /* ... =force-discard-dirty */
   enum bcf_cache_mode mode;             /* bcache-mode= */
   int64_t bucket_size, block_size;      /* bytes; 0 = default */
   int64_t cutoff;                       /* bcache-sequential-cutoff= */
@@ -62,7 +63,8 @@ int filter_config_complete (nbdkit_next_config_complete *next,
 #define filter_config_help \
   "bcache=PATH                 (required) cache device or file\n" \
   "bcache-size=SIZE            create the cache file with this size\n" \
-  "bcache-format=auto|never|force  what to do with a non-cache device\n" \
+  "bcache-format=auto|never|force|force-discard-dirty  what to do with\n" \
+  "                            a non-cache device (force: not if dirty)\n" \
   "bcache-mode=writethrough|writeback|writearound|none  cache mode\n" \
   "bcache-writeback-percent=N  writeback: dirty share to keep (10)\n" \
   "bcache-writeback-delay=S    writeback: pause after a full pass (30)\n" \

@@ -211,12 +211,40 @@ judge (const struct bcf_device_verdict *v)
   return -1;
 }
 
+/* bcache-format=force over a cache: refused if the cache holds dirty
+ * data (acknowledged writes that exist nowhere else) unless
+ * force-discard-dirty says their loss is meant.  A cache the check could
+ * not open (CORRUPT, which force is there for) is formatted. */
+static int
+judge_force (const struct bcf_device_verdict *v)
+{
+  if (v->kind == BCF_DEVICE_TOO_SMALL)
+    return judge (v);
+  if (v->kind == BCF_DEVICE_CACHE && v->dirty_bytes && !cfg.discard_dirty) {
+    nbdkit_error ("bcache=%s holds %" PRIu64 " bytes (%.1f MiB) of dirty "
+                  "data: writes acknowledged to clients that its export "
+                  "does not have yet, which bcache-format=force would "
+                  "destroy.  Start the filter on it normally, with its "
+                  "export, and write them back (bcachefilter-ctl flush, or "
+                  "bcachefilter-ctl detach), then format it; or give "
+                  "bcache-format=force-discard-dirty to destroy them",
+                  cfg.path, v->dirty_bytes,
+                  (double) v->dirty_bytes / (1 << 20));
+    return -1;
+  }
+  if (v->kind == BCF_DEVICE_CORRUPT)
+    nbdkit_debug ("bcachefilter: bcache=%s: formatting as forced; its dirty "
+                  "data, if any, cannot be counted: %s", cfg.path, v->reason);
+  return check_format_size (v->size, cfg.path);
+}
+
 int
 probe_cache (struct bcf_claim **claim, struct bcf_device_verdict *v)
 {
   struct bcf_probe_opts o = {
-    /* A forced format needs no check of what it destroys. */
-    .check = cfg.format != BCF_FORMAT_FORCE,
+    /* Also for a forced format: it must not destroy dirty data
+     * unasked. */
+    .check = !cfg.discard_dirty,
     .direct_off = !cfg.direct,
   };
   char err[512];
@@ -228,7 +256,6 @@ probe_cache (struct bcf_claim **claim, struct bcf_device_verdict *v)
     return -1;
   }
   if (cfg.format == BCF_FORMAT_FORCE)
-    return v->kind == BCF_DEVICE_TOO_SMALL ? judge (v)
-           : check_format_size (v->size, cfg.path);
+    return judge_force (v);
   return judge (v);
 }

@@ -116,6 +116,17 @@ print_allocator (FILE *fp, bool json)
     fprintf (fp, "}");
 }
 
+static const char *
+detach_name (enum bcf_detach_state d)
+{
+  switch (d) {
+  case BCF_DETACH_NONE: return "none";
+  case BCF_DETACH_DRAINING: return "draining";
+  case BCF_DETACH_DONE: return "detached";
+  }
+  return "unknown";
+}
+
 void
 render_stats (FILE *fp, bool json, struct bcf_cache *cache,
               struct bcf_req *req)
@@ -131,11 +142,12 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
 
   if (json) {
     fprintf (fp, "{\"cache_mode\": \"%s\", \"sequential_cutoff\": %" PRIu64
-             ", \"sequential_bypass\": \"%s\", \"passthrough\": %s, ",
+             ", \"sequential_bypass\": \"%s\", \"passthrough\": %s, "
+             "\"detach\": \"%s\", ",
              bcf_cache_mode_name (bcf_req_mode (req)),
              bcf_req_sequential_cutoff (req),
              bcf_sequential_bypass_name (bcf_req_sequential_bypass (req)),
-             rs.passthrough ? "true" : "false");
+             rs.passthrough ? "true" : "false", detach_name (rs.detach));
     /* The totals at the top level too, under bcache's names. */
     for (int k = 0; k < BCF_STAT__COUNT; k++)
       fprintf (fp, "\"%s\": %" PRIu64 ", ",
@@ -151,6 +163,7 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
     fprintf (fp, "%-28s %s\n", "sequential_bypass",
              bcf_sequential_bypass_name (bcf_req_sequential_bypass (req)));
     fprintf (fp, "%-28s %s\n", "passthrough", rs.passthrough ? "yes" : "no");
+    fprintf (fp, "%-28s %s\n", "detach", detach_name (rs.detach));
     print_views (fp, json, req);
     fprintf (fp, "[cache]\n");
   }

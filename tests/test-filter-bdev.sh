@@ -22,7 +22,11 @@
 #  5. A device that another cache set holds dirty data for is refused,
 #     and a new cache file is not formatted for it; one this cache holds
 #     dirty data for too (the filter does not write back yet).
-#  6. A damaged backing superblock is refused, naming
+#  6. bcachefilter-ctl detach does what the kernel's detach does: the
+#     dirty data reaches the device, whose superblock then names no cache
+#     set (state none); the next start attaches it afresh, serving what
+#     the device holds, not the old cached copy.
+#  7. A damaged backing superblock is refused, naming
 #     bcache-backing-device=never.
 
 source "$(dirname "$0")/functions.sh"
@@ -247,7 +251,37 @@ cmp <(dd if="$img" bs=4096 skip=$(((2 * M + 8192) / 4096)) count=16 status=none)
     "$d/wb" || fail "the dirty data did not reach the device"
 
 # ---------------------------------------------------------------------
-# 6. A damaged superblock.
+# 6. bcachefilter-ctl detach, as the kernel's detach: the dirty data
+# written back, the superblock says no cache set, state none; a restart
+# on the same cache attaches it afresh and serves what the device holds.
+start_proxy p bcache="$d/cache" bcache-ctl="$d/ctl" bcache-mode=writeback
+nbdio "$p_sock" size > /dev/null      # the cache opens at the first one
+bcachefilter-ctl -s "$d/ctl" set writeback_running 0
+head -c 64K /dev/urandom > "$d/wb2"
+nbdio "$p_sock" wfile $((3 * M)) "$d/wb2"
+test "$(sb show "$img" state)" = dirty || fail "writeback: the device is not dirty"
+bcachefilter-ctl -s "$d/ctl" detach | tee "$d/detach.out"
+grep -q "backing device $dev_uuid is detached from this cache set" \
+    "$d/detach.out" || fail "detach: the final line does not name the device"
+test "$(sb show "$img" state)" = none &&
+    test "$(sb show "$img" set_uuid)" = 00000000-0000-0000-0000-000000000000 ||
+    fail "after a detach the superblock still names a cache set"
+test "$(sb show "$img" csum_ok)" = True
+cmp <(dd if="$img" bs=4096 skip=$(((3 * M + 8192) / 4096)) count=16 status=none) \
+    "$d/wb2" || fail "the detach did not write the dirty data to the device"
+stop_nbdkit "$p_pid"
+printf 'x%.0s' $(seq 4096) | dd of="$img" bs=4096 seek=$(((3 * M + 8192) / 4096)) \
+    conv=notrunc status=none
+start_proxy p bcache="$d/cache" bcache-ctl="$d/ctl"
+nbdio "$p_sock" check $((3 * M)) 4096 0x78 ||
+    fail "after a detach and a restart the cache served its old copy"
+test "$(sb show "$img" state)" = clean &&
+    test "$(sb show "$img" set_uuid)" = "$(cset "$d/ctl")" ||
+    fail "after a detach, a restart did not attach the device again"
+stop_nbdkit "$p_pid"
+
+# ---------------------------------------------------------------------
+# 7. A damaged superblock.
 printf 'x' | dd of="$img" bs=1 seek=$((4096 + 80)) conv=notrunc status=none
 refused_at_connect "$d/damaged.err" 'bcache-backing-device=never' \
     "${F[@]}" nbd socket="$remote_sock" bcache="$d/cache"

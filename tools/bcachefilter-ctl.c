@@ -16,6 +16,12 @@
  * white space or control characters, which the one-line protocol cannot
  * carry.
  *
+ * flush and detach are made of several commands: the filter starts the
+ * work (writeback_flush, detach) and returns at once, since its serving
+ * thread never waits for the export; this tool then follows dirty_data
+ * in the stats for the progress, and, for detach, detach_status for the
+ * outcome, whose message is the final line (follow_writeback).
+ *
  * The socket is -s/--socket PATH, else $BCACHEFILTER_CTL.
  *
  * Exit status (also in bcachefilter-ctl(1)):
@@ -100,6 +106,11 @@ usage (FILE *fp)
            "  set writeback_rate_update_seconds S  the rate controller's period\n"
            "  flush [--timeout S]         write back all dirty data, showing\n"
            "                              progress; returns when none is left\n"
+           "  detach [--timeout S]        write back all dirty data, then pass\n"
+           "                              everything through and mark the cache\n"
+           "                              detached from its export (before the\n"
+           "                              export is used from another host)\n"
+           "  detach_status               how a detach stands\n"
            "  trigger-gc                  start a garbage collection\n"
            "  show super [--json]         the cache superblock\n"
            "  help                        the commands the filter knows\n"
@@ -178,9 +189,10 @@ check_command (int nargs, char **args)
                           "writeback_rate_update_seconds", args[1]);
     return -1;
   }
-  if (strcmp (cmd, "writeback_flush") == 0) {
+  if (strcmp (cmd, "writeback_flush") == 0 ||
+      strcmp (cmd, "detach_status") == 0) {
     if (nargs != 1)
-      return usage_error ("usage: writeback_flush (no arguments)");
+      return usage_error ("usage: %s (no arguments)", cmd);
     return -1;
   }
   if (strcmp (cmd, "trigger-gc") == 0 || strcmp (cmd, "trigger_gc") == 0) {
@@ -201,7 +213,8 @@ check_command (int nargs, char **args)
     return -1;
   }
   return usage_error ("unknown command '%s': valid commands are stats, "
-                      "set, flush, trigger-gc, show super and help", cmd);
+                      "set, flush, detach, detach_status, trigger-gc, show "
+                      "super and help", cmd);
 }
 
 /* Join the words into *linep = "w1 w2 ...\n".  Returns -1 to continue,
@@ -451,23 +464,68 @@ stat_value (const char *stats, const char *name, uint64_t *v)
   return false;
 }
 
-/* flush: start the full-speed writeback, then follow dirty_data in the
- * stats once a second until it is 0 (the serving thread never waits
- * for the export, so the waiting is done here).  Progress on stderr: a
- * line rewritten in place on a terminal, a line every 10 s otherwise. */
+/* How the work a follower waits for stands, asked once per round with
+ * the dirty bytes left: 1 done (the final line in msg), -1 failed (why,
+ * in msg), 0 going on. */
+typedef int (*stand_fn) (const char *path, uint64_t dirty, char *msg,
+                         size_t len);
+
+/* flush is done when nothing is dirty. */
 static int
-run_flush (const char *path, unsigned timeout_s)
+flush_stands (const char *path, uint64_t dirty, char *msg, size_t len)
+{
+  snprintf (msg, len, "flushed: no dirty data left");
+  return dirty == 0;
+}
+
+/* detach is done when the filter says so (detach_status: "STATE
+ * MESSAGE"). */
+static int
+detach_stands (const char *path, uint64_t dirty, char *msg, size_t len)
+{
+  char *reply, *nl, *sp;
+  int r;
+
+  if (command (path, "detach_status\n", &reply) == -1) {
+    snprintf (msg, len, "the filter's detach_status failed (above)");
+    return -1;
+  }
+  if ((nl = strchr (reply + 3, '\n')))
+    *nl = '\0';
+  sp = strchr (reply + 3, ' ');
+  snprintf (msg, len, "%s", sp ? sp + 1 : "no detach is under way");
+  if (strncmp (reply + 3, "detached", 8) == 0)
+    r = 1;
+  else if (strncmp (reply + 3, "draining", 8) == 0)
+    r = 0;
+  else
+    r = -1;                     /* failed, or none: stopped */
+  free (reply);
+  return r;
+}
+
+/* flush and detach: send start_line (which starts the work in the
+ * filter and returns at once), then follow dirty_data in the stats and
+ * ask stand whether it is done, a few times a second at first, then once
+ * a second: the serving thread never waits for the export, so the
+ * waiting is done here.  Progress on stderr: a line rewritten in place
+ * on a terminal, a line every 10 s otherwise.  The final line on
+ * stdout. */
+static int
+follow_writeback (const char *path, const char *start_line,
+                  unsigned timeout_s, stand_fn stand, const char *again)
 {
   const bool tty = isatty (STDERR_FILENO);
   const uint64_t start = now_ms ();
   uint64_t first = 0, last_line = 0, errors0 = 0;
-  char *reply;
+  char *reply, msg[2048];
 
-  if (command (path, "writeback_flush\n", &reply) == -1)
+  if (command (path, start_line, &reply) == -1)
     return EXIT_ERROR;
   free (reply);
   for (unsigned i = 0;; i++) {
     uint64_t dirty, errors = 0, now;
+    int st;
 
     if (command (path, "stats\n", &reply) == -1)
       return EXIT_ERROR;
@@ -483,14 +541,17 @@ run_flush (const char *path, unsigned timeout_s)
       errors0 = errors;
     }
     now = now_ms ();
-    if (dirty == 0) {
+    if ((st = stand (path, dirty, msg, sizeof msg)) != 0) {
       if (tty && i > 0)
         fprintf (stderr, "\r\033[K");
-      printf ("flushed: no dirty data left (%.1f s)\n",
-              (double) (now - start) / 1000);
+      if (st < 0) {
+        error ("%s", msg);
+        return EXIT_ERROR;
+      }
+      printf ("%s (%.1f s)\n", msg, (double) (now - start) / 1000);
       return EXIT_OK;
     }
-    if (tty || now - last_line >= 10000) {
+    if (dirty > 0 && (tty || now - last_line >= 10000)) {
       fprintf (stderr, "%s%" PRIu64 " MiB of dirty data left (%.0f%% "
                "written back)%s%s", tty ? "\r\033[K" : "",
                dirty >> 20, first > dirty ? 100.0 * (double) (first - dirty)
@@ -502,12 +563,35 @@ run_flush (const char *path, unsigned timeout_s)
     if (timeout_s && now - start >= (uint64_t) timeout_s * 1000) {
       if (tty)
         fputc ('\n', stderr);
-      error ("%s: %" PRIu64 " bytes still dirty after %u s (the data is "
-             "kept; run flush again)", path, dirty, timeout_s);
+      error ("%s: %" PRIu64 " bytes still dirty after %u s (%s)", path,
+             dirty, timeout_s, again);
       return EXIT_ERROR;
     }
     usleep (i < 10 ? 100000 : 1000000);
   }
+}
+
+/* flush|detach [--timeout S]: the seconds, or 0; -1 after a usage
+ * error (*status set). */
+static long
+parse_timeout (int n, char **args, int *status)
+{
+  char *end;
+  unsigned long v;
+
+  if (n == 1)
+    return 0;
+  if (n != 3 || strcmp (args[1], "--timeout") != 0) {
+    *status = usage_error ("usage: %s [--timeout SECONDS]", args[0]);
+    return -1;
+  }
+  v = strtoul (args[2], &end, 10);
+  if (*end || end == args[2] || v == 0 || v > 86400 * 365) {
+    *status = usage_error ("%s --timeout S: give a number of seconds",
+                           args[0]);
+    return -1;
+  }
+  return (long) v;
 }
 
 int
@@ -542,20 +626,20 @@ main (int argc, char *argv[])
     return usage_error ("no control socket: give -s PATH or set $%s (the "
                         "filter's bcache-ctl=PATH)", SOCKET_ENV);
 
-  if (strcmp (argv[optind], "flush") == 0) {
-    unsigned timeout = 0;
-    int n = argc - optind;
+  if (strcmp (argv[optind], "flush") == 0 ||
+      strcmp (argv[optind], "detach") == 0) {
+    const bool flush = strcmp (argv[optind], "flush") == 0;
+    long timeout = parse_timeout (argc - optind, &argv[optind], &r);
 
-    if (n == 3 && strcmp (argv[optind + 1], "--timeout") == 0) {
-      char *end;
-      unsigned long v = strtoul (argv[optind + 2], &end, 10);
-      if (*end || end == argv[optind + 2] || v == 0 || v > 86400 * 365)
-        return usage_error ("flush --timeout S: give a number of seconds");
-      timeout = (unsigned) v;
-    }
-    else if (n != 1)
-      return usage_error ("usage: flush [--timeout SECONDS]");
-    return run_flush (path, timeout);
+    if (timeout < 0)
+      return r;
+    if (flush)
+      return follow_writeback (path, "writeback_flush\n", (unsigned) timeout,
+                               flush_stands, "the data is kept; run flush "
+                               "again");
+    return follow_writeback (path, "detach\n", (unsigned) timeout,
+                             detach_stands, "the detach goes on in the "
+                             "filter; run detach again to follow it");
   }
   r = check_command (argc - optind, &argv[optind]);
   if (r >= 0)

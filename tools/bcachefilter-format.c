@@ -21,7 +21,12 @@
  *        made by          initialised with its own geometry (options that
  *          make-bcache -C   ask for another geometry are refused);
  *        a live cache     (CACHE_SYNC set) refused unless --force: the
- *                         engine would open it, not format it;
+ *                         engine would open it, not format it; and if it
+ *                         holds dirty data (counted by a read-only open,
+ *                         as bcachefilter-show counts it), refused even
+ *                         with --force unless --discard-dirty too: that
+ *                         data is the only copy of acknowledged writes
+ *                         (the engine refuses it as well);
  *        zero superblock  refused unless --force, naming the first byte
  *          but data in the  that is not zero: a filesystem, RAID or
  *          first or last    volume signature may live past 8 KiB;
@@ -50,7 +55,8 @@
  *   2  DEVICE holds data that is not a bcache cache (foreign data, a
  *      bcache backing device, a damaged bcache superblock); --force
  *   3  DEVICE already holds a bcache cache (a live one, or one made by
- *      make-bcache with another geometry than asked for); --force
+ *      make-bcache with another geometry than asked for); --force; or,
+ *      with --force, a cache that holds dirty data; --discard-dirty
  *   4  DEVICE cannot hold a cache with this geometry (too small: the
  *      kernel needs more than 512 buckets; block size below the device's
  *      logical block size, ...)
@@ -107,6 +113,7 @@ struct options {
   int replacement;              /* -1 = not given */
   uint64_t size;                /* --size, 0 = not given */
   bool force;
+  bool discard_dirty;           /* --discard-dirty: with --force */
   bool verbose;
 };
 
@@ -280,7 +287,10 @@ usage (FILE *fp)
            "  -s, --size SIZE          create DEVICE as a file of SIZE bytes if\n"
            "                           it does not exist\n"
            "  -f, --force              format even if DEVICE holds a bcache\n"
-           "                           cache or other data (destroys it)\n"
+           "                           cache or other data (destroys it), but\n"
+           "                           not a cache holding dirty data\n"
+           "      --discard-dirty      with --force: format a cache holding\n"
+           "                           dirty data too (loses those writes)\n"
            "  -v, --verbose            print the engine's messages\n"
            "  -h, --help               print this help and exit\n"
            "  -V, --version            print the version and exit\n"
@@ -298,13 +308,14 @@ usage (FILE *fp)
 static int
 parse_options (int argc, char *argv[], struct options *o)
 {
-  enum { REPLACEMENT_OPTION = 256 };
+  enum { REPLACEMENT_OPTION = 256, DISCARD_DIRTY_OPTION };
   static const struct option long_options[] = {
     { "bucket-size", required_argument, NULL, 'b' },
     { "block-size",  required_argument, NULL, 'w' },
     { "replacement", required_argument, NULL, REPLACEMENT_OPTION },
     { "size",        required_argument, NULL, 's' },
     { "force",       no_argument,       NULL, 'f' },
+    { "discard-dirty", no_argument,     NULL, DISCARD_DIRTY_OPTION },
     { "verbose",     no_argument,       NULL, 'v' },
     { "help",        no_argument,       NULL, 'h' },
     { "version",     no_argument,       NULL, 'V' },
@@ -356,6 +367,7 @@ parse_options (int argc, char *argv[], struct options *o)
       }
       break;
     case 'f': o->force = true; break;
+    case DISCARD_DIRTY_OPTION: o->discard_dirty = true; break;
     case 'v': o->verbose = true; break;
     case 'h': usage (stdout); return EXIT_OK;
     case 'V': printf ("%s %s\n", PROGRAM_NAME, PACKAGE_VERSION); return EXIT_OK;
@@ -366,6 +378,11 @@ parse_options (int argc, char *argv[], struct options *o)
     usage_error ("%s", optind == argc ? "missing DEVICE argument"
                                       : "too many arguments");
     usage (stderr);
+    return EXIT_USAGE;
+  }
+  if (o->discard_dirty && !o->force) {
+    usage_error ("--discard-dirty is a refinement of --force: give both to "
+                 "format a cache that holds dirty data");
     return EXIT_USAGE;
   }
   o->path = argv[optind];
@@ -589,10 +606,12 @@ errno_to_exit (int r)
   }
 }
 
-/* For a live cache: what it holds, from a read-only open (best effort). */
+/* For a live cache: what it holds, from a read-only open (best effort;
+ * as bcachefilter-show counts it): a description for messages, and the
+ * bytes of dirty data (0 if it cannot be opened). */
 static void
 describe_live (const struct options *o, const struct log_ctx *lc,
-               char *buf, size_t len)
+               char *buf, size_t len, uint64_t *dirty)
 {
   struct bcf_cache_opts opts = { 0 };
   struct bcf_cache *c;
@@ -605,19 +624,47 @@ describe_live (const struct options *o, const struct log_ctx *lc,
   opts.readonly = true;
   opts.log = engine_log;
   opts.log_opaque = &quiet;
+  *dirty = 0;
   if (bcf_cache_open (&opts, &c, err, sizeof err) < 0) {
     snprintf (buf, len, ", which cannot be opened: %s", err);
     return;
   }
   bcf_cache_stats (c, &st);
+  *dirty = bcf_cache_dirty_bytes (c);
   bcf_cache_close (c);
-  if (st.buckets_dirty)
-    snprintf (buf, len, ", with DIRTY data in %" PRIu64 " buckets (written "
-              "to the cache but not yet to its export: formatting loses it)",
-              st.buckets_dirty);
+  if (*dirty)
+    snprintf (buf, len, ", with %" PRIu64 " bytes (%.1f MiB) of DIRTY data "
+              "in %" PRIu64 " buckets (written to the cache but not yet to "
+              "its export: formatting loses it)", *dirty,
+              (double) *dirty / (1 << 20), st.buckets_dirty);
   else
     snprintf (buf, len, ", %" PRIu64 " buckets of clean data, no dirty data",
               st.buckets_clean);
+}
+
+/* --force over a live cache that holds dirty data: the only copy of
+ * writes its clients were told are done.  Refused unless --discard-dirty
+ * says their loss is meant.  Returns -1 to go on, else EXIT_BCACHE
+ * (with a message). */
+static int
+refuse_losing_dirty (const struct options *o, const struct log_ctx *lc)
+{
+  char more[512], holder[1024];
+  uint64_t dirty;
+
+  /* A cache in use is the engine's to refuse, naming its holder (what
+   * a running proxy's cache shows read-only is out of date anyway). */
+  if (bcf_claim_probe (o->path, holder, sizeof holder) == 1)
+    return -1;
+  describe_live (o, lc, more, sizeof more, &dirty);
+  if (dirty == 0)
+    return -1;
+  device_error (o->path, "holds a bcache cache%s.  Refusing to format it: "
+                "start the filter on it with its export and write the "
+                "dirty data back (bcachefilter-ctl flush, or "
+                "bcachefilter-ctl detach), then format it; or add "
+                "--discard-dirty to --force to destroy that data", more);
+  return EXIT_BCACHE;
 }
 
 /* Print the result: the superblock read back. */
@@ -703,8 +750,9 @@ main (int argc, char *argv[])
       human (bch_sb_bucket_sectors (&ex.sb) * BCH_SECTOR_SIZE, bucket,
              sizeof bucket);
       char holder[1024];
+      uint64_t dirty;
 
-      describe_live (&o, &lc, more, sizeof more);
+      describe_live (&o, &lc, more, sizeof more, &dirty);
       if (bcf_claim_probe (o.path, holder, sizeof holder) == 1) {
         device_error (o.path, "already holds a bcache cache (cache set %s), "
                       "and it is in use by %s; refusing to format it",
@@ -733,6 +781,10 @@ main (int argc, char *argv[])
     }
   }
 
+  if (o.force && !o.discard_dirty && ex.kind == EX_LIVE &&
+      (r = refuse_losing_dirty (&o, &lc)) >= 0)
+    return r;
+
   /* The progress line, for large devices. */
   {
     uint64_t bytes = ex.kind == EX_MISSING ? o.size : ex.bytes;
@@ -757,6 +809,7 @@ main (int argc, char *argv[])
   opts.path = o.path;
   opts.create_size = ex.kind == EX_MISSING ? o.size : 0;
   opts.format = o.force ? BCF_FORMAT_FORCE : BCF_FORMAT_AUTO;
+  opts.discard_dirty = o.discard_dirty;
   opts.bucket_sectors = (unsigned) (o.bucket_bytes / BCH_SECTOR_SIZE);
   opts.block_sectors = (unsigned) (o.block_bytes / BCH_SECTOR_SIZE);
   opts.min_buckets = BCH_KERNEL_MIN_NBUCKETS;

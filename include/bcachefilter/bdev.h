@@ -118,6 +118,17 @@ int bcf_bdev_pick_slot (const struct bch_sb *bsb, const uint8_t set_uuid[16],
 int bcf_bdev_attach (struct bcf_bdev *bd, const struct bcf_backing *b,
                      const uint8_t set_uuid[16], char *err, size_t errlen);
 
+/* Mark the device detached from cache set set_uuid, as the kernel's
+ * detach does once its writeback is done (cached_dev_detach_finish): a
+ * zero set_uuid and state none, so that it can be attached to any set
+ * (research/bcache.md §1.2).  Call only with nothing dirty left for it
+ * in the cache.  Nothing is written if it is attached to no set; -EINVAL
+ * if it is attached to another set.  Returns 0 once the superblock is
+ * durable, or -errno with the reason in err (the state in memory is
+ * unchanged). */
+int bcf_bdev_detach (struct bcf_bdev *bd, const struct bcf_backing *b,
+                     const uint8_t set_uuid[16], char *err, size_t errlen);
+
 /* Set BDEV_STATE of an attached device (its set_uuid is kept): dirty
  * before the first write of dirty data to its cache is acknowledged,
  * clean after a writeback pass found nothing dirty (research/bcache.md

@@ -48,7 +48,9 @@ enum bcf_format_policy {
   BCF_FORMAT_NEVER = 0,   /* open an existing cache only */
   BCF_FORMAT_AUTO,        /* format a blank device; initialise a device made
                              by make-bcache -C; refuse anything else */
-  BCF_FORMAT_FORCE,       /* format whatever is there (destroys it) */
+  BCF_FORMAT_FORCE,       /* format whatever is there (destroys it), but
+                             a cache that holds dirty data only with
+                             opts.discard_dirty */
 };
 
 enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
@@ -85,6 +87,11 @@ struct bcf_cache_opts {
   bool direct_off;                /* never use O_DIRECT */
 
   enum bcf_format_policy format;
+  /* With format FORCE, a cache that holds dirty data (acknowledged
+   * writes its export does not have) is formatted too, losing them;
+   * without it that is refused with -EBUSY, saying how much would be
+   * lost.  A cache that cannot be opened to count it is formatted. */
+  bool discard_dirty;
   unsigned bucket_sectors;        /* for formatting; 0 = 1024 (512 KiB) */
   unsigned block_sectors;         /* for formatting; 0 = device's */
   unsigned replacement;           /* enum bch_replacement, for formatting */
@@ -154,7 +161,8 @@ struct bcf_cache_opts {
  * *cp, or a negative errno with the reason in err.  The errors a caller
  * may want to tell apart:
  *   -EEXIST       the cache holds another export (uuid or size)
- *   -EBUSY        another process holds the device (bcachefilter/claim.h)
+ *   -EBUSY        another process holds the device (bcachefilter/claim.h),
+ *                 or format FORCE would destroy dirty data (discard_dirty)
  *   -EMEDIUMTYPE  the device holds something else (foreign data, a
  *                 bcache backing device) or, read-only, no cache yet
  *   -EUCLEAN      corrupt metadata (superblock, journal, prios, btree)
@@ -180,6 +188,19 @@ int bcf_cache_close (struct bcf_cache *c);
  * say so. */
 int bcf_cache_abandon (struct bcf_cache *c);
 
+/* Detach the cache from its export, as bcache's detach does: the uuid
+ * entry of the export (the slot its keys are under) becomes bcache's
+ * invalid uuid, durably (a new uuid bucket, and a journal entry naming
+ * it).  The next open starts with nothing cached for the export: a plain
+ * export's cache starts empty, saying so in the log (core/super.c), and
+ * a bcache backing device gets a new slot.  Keys stay where they are and
+ * are never served again.  The cache stays open, for the caller to pass
+ * everything through (bcf_req_detach_finish).  Refused with -EBUSY
+ * while the cache holds dirty data (written back first: the caller
+ * drains), -ENOENT if no export is attached, -EROFS read-only; another
+ * -errno if the metadata could not be written (the entry is unchanged). */
+int bcf_cache_detach (struct bcf_cache *c);
+
 /* A message through the cache's log function (opts.log), for the layers
  * above the engine (the request path). */
 void bcf_cache_log (struct bcf_cache *c, enum bcf_log_level level,
@@ -200,8 +221,10 @@ void bcf_release_memory (void);
 unsigned bcf_cache_block_size (const struct bcf_cache *c);
 /* The export an opened cache holds, as its uuid entry recorded it at
  * open (uuid and size in bytes, 0 if the entry records no size); false
- * for a cache that holds none yet.  A read-only open (which has no export
- * to compare) reports slot 0, and uses this to check the identity
+ * for a cache that holds none yet, or whose export was detached.  A
+ * read-only open (which has no export to compare) reports the first
+ * slot that names a device (slot 0, but for a cache set the kernel used
+ * for several backing devices), and is used to check the identity
  * early. */
 bool bcf_cache_owner (const struct bcf_cache *c, uint8_t uuid[16],
                       uint64_t *bytes);

@@ -680,6 +680,15 @@ struct bch_uuid_entry {
 /* bcache's "invalid" uuid written over a detached slot. */
 extern const uint8_t bch_invalid_uuid[16];
 
+/* bcache's detach of a slot (bcache_device_detach): the uuid and the
+ * first 16 bytes of the label become the invalid uuid, invalidated is
+ * now; the rest (sectors, the label's tail) is left as it was. */
+void bch_uuid_entry_invalidate (struct bch_uuid_entry *u, uint32_t now);
+/* Was the slot detached (its uuid is the invalid uuid)? */
+bool bch_uuid_entry_detached (const struct bch_uuid_entry *u);
+/* Does the slot name a device (neither empty nor detached)? */
+bool bch_uuid_entry_live (const struct bch_uuid_entry *u);
+
 void bch_uuid_entry_encode (const struct bch_uuid_entry *u, void *buf128);
 void bch_uuid_entry_decode (const void *buf128, struct bch_uuid_entry *u);
 static inline uint64_t bch_uuids_per_bucket (uint64_t bucket_bytes)

@@ -25,8 +25,9 @@
  *   a valid cache superblock, CACHE_SYNC    CACHE; with opts.check also
  *     set                                     opened read-only (journal,
  *                                             prios, uuids, btree): the
- *                                             export it holds, or CORRUPT
- *                                             with the open's reason
+ *                                             export it holds and its
+ *                                             dirty data, or CORRUPT with
+ *                                             the open's reason
  *   smaller than the superblock area        TOO_SMALL
  *
  * Locking: none; the device is opened read-only, nothing is claimed or
@@ -67,10 +68,13 @@ struct bcf_device_verdict {
   uint64_t data_at;
   /* MAKE_BCACHE and CACHE (CORRUPT: as far as it decoded). */
   struct bch_sb sb;
-  /* CACHE, probed with check: the export it holds (bcf_cache_owner). */
+  /* CACHE, probed with check: the export it holds (bcf_cache_owner),
+   * and the bytes of dirty data in it (bcf_cache_dirty_bytes: writes
+   * that exist nowhere else; a format would lose them). */
   bool has_owner;
   uint8_t owner_uuid[16];
   uint64_t owner_bytes;
+  uint64_t dirty_bytes;
   /* CORRUPT: the -errno bcf_cache_open gives for it. */
   int error;
   /* FOREIGN, BACKING, CORRUPT, TOO_SMALL: why, in words. */

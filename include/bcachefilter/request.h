@@ -139,6 +139,48 @@ int bcf_req_writeback_hurry (struct bcf_req *r);
 /* True once too many cache-device errors switched the cache off. */
 bool bcf_req_passthrough (struct bcf_req *r);
 
+/* Detaching the cache from its export (bcachefilter-ctl detach; bcache's
+ * detach), in two steps so that the caller can do its own part between
+ * them (a bcache backing device's superblock):
+ *
+ *   bcf_req_detach_drain   no new dirty data from now on (writes are
+ *                          cached only over dirty data, as in
+ *                          writearound, and never acknowledged from the
+ *                          cache), wait for the writes in flight, and
+ *                          write everything dirty back.  Blocks until
+ *                          nothing is dirty: call it from a thread of
+ *                          its own.  go_on (may be NULL) is called about
+ *                          once a second with the dirty bytes left, and
+ *                          stops the drain by returning false.  Returns
+ *                          0 (DRAINING, nothing dirty), -EBUSY (a detach
+ *                          is under way), -EALREADY (detached), or the
+ *                          backing store's -errno, -ECANCELED: then
+ *                          nothing changed (the data stays dirty, the
+ *                          cache serves as before);
+ *   bcf_req_detach_finish  mark the cache detached (bcf_cache_detach)
+ *                          and pass everything through from then on:
+ *                          nothing is read from the cache or put in it.
+ *                          0; -EBUSY (dirty data: call cancel); another
+ *                          -errno if the mark could not be written: the
+ *                          cache is then given up as after device
+ *                          errors (passes through too);
+ *   bcf_req_detach_cancel  after a drain that is not to be finished:
+ *                          serve as before.
+ *
+ * core/request.c argues why nothing acknowledged is left only in the
+ * cache when the drain returns 0. */
+enum bcf_detach_state {
+  BCF_DETACH_NONE = 0,
+  BCF_DETACH_DRAINING,
+  BCF_DETACH_DONE,
+};
+int bcf_req_detach_drain (struct bcf_req *r, const struct bcf_backing *b,
+                          bool (*go_on) (void *opaque, uint64_t dirty),
+                          void *opaque);
+int bcf_req_detach_finish (struct bcf_req *r);
+void bcf_req_detach_cancel (struct bcf_req *r);
+enum bcf_detach_state bcf_req_detach_state (struct bcf_req *r);
+
 /* The requests, at client offsets (opts.offset is added).  Return 0 or a
  * negative errno (from the backing store: cache-device errors never fail
  * a request the backing store can serve). */
@@ -165,6 +207,7 @@ struct bcf_req_stats {
   uint64_t io_error_limit;      /* pass through when io_errors reaches it */
   uint64_t io_error_halflife;   /* I/Os; 0: no decay */
   bool passthrough;
+  enum bcf_detach_state detach;
   uint64_t bypass_bytes_now, bypass_bytes_peak, bypass_pages,
            bypass_reserve_uses, bypass_in_flight;
   uint64_t fills_dropped;       /* misses not cached: fill queue full */

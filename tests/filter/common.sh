@@ -136,3 +136,18 @@ ctl_stat ()
 {
     bcachefilter-ctl -s "$1" stats --json | "$PYTHON" "$filterdir/stat.py" "$2"
 }
+
+# wait_ctl SOCKET
+#
+# Wait (up to 30 s) for the proxy's control socket: it is made in
+# .after_fork, which may still be opening the cache when the NBD socket
+# and the pidfile already exist.
+wait_ctl ()
+{
+    local _i
+    for (( _i = 0; _i < 300; _i++ )); do
+        test -S "$1" && return 0
+        sleep 0.1
+    done
+    fail "no control socket at $1"
+}
