@@ -603,7 +603,8 @@ START_TEST (test_bad_commands)
   expect_prefix ("set cache_mode a b\n", "error: usage: set");
   expect_prefix ("set readahead 1\n", "error: unknown setting 'readahead': "
                  "valid settings are cache_mode, sequential_cutoff, "
-                 "writeback_percent");
+                 "sequential_bypass, congested_read_threshold_us, "
+                 "congested_write_threshold_us, writeback_percent");
   static const char *const bad_sizes[] = {
     "", "-1", "+1", "1.5M", "1T", "1KB", "1Ki", "M", "0x10", "1 k",
     "18446744073709551616", "17179869184G", "99999999999999999999999",
