@@ -20,14 +20,13 @@
  * exact rule ("starts where a stream ended") then never sees a stream
  * longer than a few requests.  So a request continues the stream whose
  * end is exactly its start (bcache's match, preferred), or else one whose
- * end lies within WINDOW bytes of its start, before or after; the stream
- * counts the bytes by which the request moves its end forward (a request
- * ahead of the end counts the gap too, which the late arrivals then fill
- * without counting again; one wholly behind the end counts nothing).  A
- * strictly sequential stream counts exactly as in bcache.  Random I/O
- * rarely lands within WINDOW of one of 128 recent ends, and each time it
- * does it adds at most WINDOW plus its own length, so it does not reach a
- * cutoff of megabytes by chance.  Where several entries match, the most
+ * end lies within WINDOW bytes of its start, before or after.  The stream
+ * counts the sectors the request covers that it had not covered yet: each
+ * stream remembers which sectors of the last WINDOW before its end it has
+ * seen (a bitmap, `seen`).  So a shuffled stream counts each byte once, a
+ * strictly sequential one exactly as bcache, a strided one (4 KiB every
+ * 64 KiB) only what it reads, never the gaps, and re-reads of a hot range
+ * nothing after the first.  Where several entries match, the most
  * recently used wins (for an exact match that is bcache's: its hash
  * chain keeps the most recently rehashed entry first).  Entries are
  * hashed by their end's WINDOW-sized granule, so the candidates for a
@@ -49,6 +48,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "util.h"
@@ -58,6 +58,8 @@
 #define RECENT_IO      (1 << RECENT_IO_BITS)
 #define EXPIRE_NS      (UINT64_C (5) * 1000 * 1000 * 1000)
 #define WINDOW         BCF_SEQDETECT_WINDOW
+#define WINDOW_SECTORS (WINDOW >> 9)
+#define SEEN_WORDS     (WINDOW_SECTORS / 64)
 
 struct io {
   struct io *hnext, **hpprev;       /* hash chain (hpprev NULL: unhashed) */
@@ -66,6 +68,10 @@ struct io {
   uint64_t deadline;                /* forgotten from then (ns) */
   uint64_t sequential;              /* bytes in the stream */
   uint64_t stamp;                   /* when it was last used (a count) */
+  /* Bit i: sector top - 1 - i was covered, for the WINDOW_SECTORS sectors
+   * below top (the sector after the stream's end, rounded up). */
+  uint64_t top;
+  uint64_t seen[SEEN_WORDS];
 };
 
 struct bcf_seqdetect {
@@ -193,30 +199,94 @@ find_stream (struct bcf_seqdetect *s, uint64_t offset, uint64_t now,
   return best;
 }
 
+/* Move i's window up so that it ends at sector top (> i->top). */
+static void
+seen_advance (struct io *i, uint64_t top)
+{
+  uint64_t d = top - i->top;
+
+  i->top = top;
+  if (d >= WINDOW_SECTORS) {
+    memset (i->seen, 0, sizeof i->seen);
+    return;
+  }
+  /* A shift left by d bits of the multi-word bitmap (word 0 lowest). */
+  for (int w = SEEN_WORDS - 1; w >= 0; w--) {
+    uint64_t v = 0;
+    int from = w - (int) (d / 64);
+    unsigned b = (unsigned) (d % 64);
+
+    if (from >= 0) {
+      v = i->seen[from] << b;
+      if (b && from > 0)
+        v |= i->seen[from - 1] >> (64 - b);
+    }
+    i->seen[w] = v;
+  }
+}
+
+/* Mark sectors [s, e) seen in i (whose window ends at or above e); the
+ * bytes that were not seen before.  Sectors below the window count as
+ * new: nothing remembers them. */
+static uint64_t
+seen_mark (struct io *i, uint64_t s, uint64_t e)
+{
+  const uint64_t low = i->top > WINDOW_SECTORS ? i->top - WINDOW_SECTORS : 0;
+  uint64_t fresh = 0;
+
+  if (s < low) {                /* below the window: new, uncounted */
+    fresh = (e < low ? e : low) - s;
+    s = low;
+  }
+  for (uint64_t x = s; x < e; x++) {
+    uint64_t bit = i->top - 1 - x;
+
+    if (!(i->seen[bit / 64] & (UINT64_C (1) << (bit % 64)))) {
+      i->seen[bit / 64] |= UINT64_C (1) << (bit % 64);
+      fresh++;
+    }
+  }
+  /* Saturating: a request of 2^64 - 1 bytes has 2^55 sectors. */
+  return fresh > (UINT64_MAX >> 9) ? UINT64_MAX : fresh << 9;
+}
+
 uint64_t
 bcf_seqdetect_account (struct bcf_seqdetect *s, uint64_t offset,
                        uint64_t len)
 {
   struct io *i;
   uint64_t now, seq, end;
+  bool exact;
 
   if (len == 0)
     return 0;
   end = offset + len < offset ? UINT64_MAX : offset + len;
   pthread_mutex_lock (&s->lock);
   now = s->now_ns ();
-  if (!(i = find_stream (s, offset, now, ends_exactly)) &&
-      !(i = find_stream (s, offset, now, ends_near))) {
+  exact = (i = find_stream (s, offset, now, ends_exactly)) != NULL;
+  if (!i && !(i = find_stream (s, offset, now, ends_near))) {
     i = s->lru_head;
     i->sequential = 0;
     i->last = offset;
+    i->top = offset >> 9;
+    memset (i->seen, 0, sizeof i->seen);
+    exact = true;
   }
-  /* The bytes by which the stream's end moves forward. */
-  if (end > i->last) {
-    uint64_t add = end - i->last;
+  /* A request that continues the stream exactly (or starts one) counts
+   * whole, as in bcache; one near it, the sectors it had not seen. */
+  {
+    uint64_t ss = offset >> 9, se = (end >> 9) + ((end & 511) != 0);
+    uint64_t add;
+
+    if (se > i->top)
+      seen_advance (i, se);
+    add = seen_mark (i, ss, se);
+    if (exact || add > len)
+      add = len;
     i->sequential = i->sequential + add < i->sequential ?
       UINT64_MAX : i->sequential + add;
-    i->last = end;
+    if (end > i->last)
+      i->last = end;
   }
   i->deadline = now + EXPIRE_NS;
   i->stamp = ++s->stamp;
