@@ -35,11 +35,16 @@
  * its leaf split, but for one a checkpoint wrote or has captured, or the
  * journal holds (test_invalidate_journal_choice, test_invalidate_
  * captured_crash); a fill survives a crash once the journal timer's
- * checkpoint ran (test_fill_survives_crash); and recovery tolerates a
+ * checkpoint ran (test_fill_survives_crash); recovery tolerates a
  * torn newest journal entry but says so (a warning, an fsck note), warns
  * about a corrupt entry it does not need that has valid entries on both
  * sides (an fsck problem: test_journal_corrupt_middle), and refuses a gap
- * in the middle of the journal.
+ * in the middle of the journal; and a crash inside a writeback pass,
+ * between the export write and its flush, between the flush and the
+ * clean mark, or after a checkpoint wrote the clean marks, with the
+ * export losing its unflushed writes or not, brings no time travel
+ * either way (test_writeback_order_crash: fails with the writeback's
+ * export flush skipped).
  */
 #include "config.h"
 
@@ -197,19 +202,11 @@ backing_write_random (struct run *r, uint64_t blk, uint64_t nb)
   memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
 }
 
-/* Every hit, anywhere, reads the backing store's bytes (I2).  The format
- * and its arguments name the case in the failure message. */
-static void check_hits_equal_backing (struct run *r, const char *fmt, ...)
-  __attribute__ ((format (printf, 2, 3)));
+/* Every hit (clean_only: every clean hit; dirty data is newer than the
+ * backing store), anywhere, reads the backing store's bytes (I2). */
 static void
-check_hits_equal_backing (struct run *r, const char *fmt, ...)
+hits_equal_backing (struct run *r, bool clean_only, const char *what)
 {
-  char what[128];
-  va_list ap;
-
-  va_start (ap, fmt);
-  vsnprintf (what, sizeof what, fmt, ap);
-  va_end (ap);
   for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
     struct bcf_extent es[80];
     unsigned n;
@@ -217,13 +214,44 @@ check_hits_equal_backing (struct run *r, const char *fmt, ...)
     ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
                       0);
     for (unsigned i = 0; i < n; i++)
-      if (es[i].kind == BCF_EXTENT_HIT) {
+      if (es[i].kind == BCF_EXTENT_HIT && !(clean_only && es[i].dirty)) {
         ck_assert_int_eq (bcf_read_hit (r->c, &es[i], r->buf), 0);
         ck_assert_msg (memcmp (r->buf, r->m.shadow + es[i].offset, es[i].len)
-                       == 0, "%s: cached blocks at %" PRIu64 " differ from "
-                       "the backing store", what, es[i].offset);
+                       == 0, "%s: %s blocks at %" PRIu64 " differ from "
+                       "the backing store", what,
+                       es[i].dirty ? "dirty" : "clean cached", es[i].offset);
       }
   }
+}
+
+/* The format and its arguments name the case in the failure message. */
+static void check_hits_equal_backing (struct run *r, const char *fmt, ...)
+  __attribute__ ((format (printf, 2, 3)));
+static void
+check_hits_equal_backing (struct run *r, const char *fmt, ...)
+{
+  char what[256];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (what, sizeof what, fmt, ap);
+  va_end (ap);
+  hits_equal_backing (r, false, what);
+}
+
+static void check_clean_hits_equal_backing (struct run *r, const char *fmt,
+                                            ...)
+  __attribute__ ((format (printf, 2, 3)));
+static void
+check_clean_hits_equal_backing (struct run *r, const char *fmt, ...)
+{
+  char what[256];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (what, sizeof what, fmt, ap);
+  va_end (ap);
+  hits_equal_backing (r, true, what);
 }
 
 /* ---- workload steps; each returns false once the "machine" died ---------- */
@@ -1311,6 +1339,199 @@ START_TEST (test_fill_survives_crash)
 }
 END_TEST
 
+/* ---- the writeback's order against crashes (core/writeback.c B1-B5) ------ */
+
+/* Where the power goes during a writeback pass. */
+enum wb_cut {
+  CUT_EXPORT_WRITTEN,   /* B3 done, before B4: the export has the data in
+                           its volatile cache, the keys are dirty */
+  CUT_FLUSHED,          /* B4 done, before B5: durable on the export, the
+                           keys still dirty */
+  CUT_CLEAN_DURABLE,    /* B5 done and a checkpoint wrote the clean keys */
+  CUT_COUNT
+};
+static const char *const cutname[] = {
+  "between the export write and its flush",
+  "between the export flush and the clean mark",
+  "after the clean mark, made durable by a checkpoint",
+};
+
+/* A backing store that hands the writeback's flush to the test: the
+ * mem_backing it wraps, with the power cut at the flush. */
+struct cut_backing {
+  struct bcf_backing inner;
+  struct bcf_cache *c;
+  enum wb_cut where;
+  bool fired;
+};
+
+static int
+cb_pread (void *o, void *buf, uint32_t count, uint64_t offset)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->pread (cb->inner.opaque, buf, count, offset);
+}
+
+static int
+cb_pwrite (void *o, const void *buf, uint32_t count, uint64_t offset,
+           bool fua)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->pwrite (cb->inner.opaque, buf, count, offset, fua);
+}
+
+/* The power cut is at once (the cache device takes nothing more) and
+ * the flush does not happen (CUT_EXPORT_WRITTEN: the machine died), or
+ * happens (CUT_FLUSHED): what follows in the pass, the clean mark, only
+ * changes memory. */
+static int
+cb_flush (void *o)
+{
+  struct cut_backing *cb = o;
+  int rc = 0;
+
+  if (!cb->fired && cb->where == CUT_EXPORT_WRITTEN) {
+    cb->fired = true;
+    bcf_io_test_power_cut (bcf_cache_test_io (cb->c), 0);
+    return -EIO;
+  }
+  rc = cb->inner.ops->flush (cb->inner.opaque);
+  if (!cb->fired && cb->where == CUT_FLUSHED) {
+    cb->fired = true;
+    bcf_io_test_power_cut (bcf_cache_test_io (cb->c), 0);
+  }
+  return rc;
+}
+
+static int
+cb_trim (void *o, uint32_t count, uint64_t offset)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->trim (cb->inner.opaque, count, offset);
+}
+
+static int
+cb_zero (void *o, uint32_t count, uint64_t offset, bool may_trim)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->zero (cb->inner.opaque, count, offset, may_trim);
+}
+
+static int64_t
+cb_size (void *o)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->size (cb->inner.opaque);
+}
+
+static const struct bcf_backing_ops cut_backing_ops = {
+  .pread = cb_pread, .pwrite = cb_pwrite, .flush = cb_flush,
+  .trim = cb_trim, .zero = cb_zero, .size = cb_size,
+};
+
+/* Blocks [0, 16) hold O on the export (durable) and, as a clean key, in
+ * the cache (a checkpointed fill); then A is written over them in
+ * writeback mode and flushed: A is the last flushed write, dirty.  A
+ * writeback pass then writes A back and the power goes at `where`, for
+ * the cache device (in cache_mode) and for the export (in backing_mode:
+ * its unflushed writes lost, or kept).  After recovery, no time travel
+ * either way: the blocks read A (the cache does not serve the older O),
+ * every clean extent equals the export (the export is not older than a
+ * clean key), and a writeback leaves A on the export.
+ *
+ * Negative control, checked by hand: with the backing flush of
+ * write_batch (B4) skipped, CUT_CLEAN_DURABLE with the export losing its
+ * unflushed writes fails: the clean A that the checkpoint made durable
+ * is dropped at recovery (its write-intent region is marked) and the
+ * blocks read O from the export, older than the last flush; with the
+ * regions off, the cache would keep A while the export holds O.  (The
+ * cuts at the flush then never happen either: that is asserted last, so
+ * that the data checks speak first.)  Returns whether the cut at the
+ * flush happened (always true for CUT_CLEAN_DURABLE). */
+static bool
+wb_order_crash (enum wb_cut where, int cache_mode, int backing_mode,
+                uint64_t cseed)
+{
+  struct run r;
+  struct cut_backing cb;
+  struct bcf_req_opts ro = { .mode = BCF_MODE_WRITEBACK };
+  struct bcf_req *q;
+  struct bcf_backing b;
+  static uint8_t a[16 * BLOCK], got[16 * BLOCK];
+  char what[256];
+  int rc;
+
+  snprintf (what, sizeof what, "seed %u: crash %s (cache device: mode %d, "
+            "export: %s its unflushed writes)", seed, cutname[where],
+            cache_mode, backing_mode == MEM_BACKING_LOSE_ALL ? "loses"
+            : "keeps");
+  rng_state = seed * 31 + where * 7 + (uint64_t) cache_mode * 3
+              + (uint64_t) backing_mode;
+  run_init (&r, "order.img", 16u << 20, 16);
+  cb = (struct cut_backing) { .inner = r.b, .c = r.c, .where = where };
+  b = (struct bcf_backing) { .ops = &cut_backing_ops, .opaque = &cb };
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+
+  fill (r.buf, sizeof a);
+  mem_backing_poke (r.mb, r.buf, sizeof a, 0);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  bcf_req_drain (q);
+  ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  fill (a, sizeof a);
+  ck_assert_int_eq (bcf_req_write (q, &r.b, a, sizeof a, 0, false), 0);
+  ck_assert_int_eq (bcf_req_flush (q, &r.b), 0);
+
+  arm_undo_log (&r);
+  mem_backing_track_crash (r.mb, true);
+  rc = bcf_req_writeback (q, &b);
+  if (where == CUT_EXPORT_WRITTEN && cb.fired)
+    ck_assert_int_lt (rc, 0);   /* the flush "failed": the machine died */
+  else
+    ck_assert_int_eq (rc, 0);
+  if (where == CUT_CLEAN_DURABLE)
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  bcf_req_free (q);
+
+  mem_backing_crash (r.mb, backing_mode, cseed);
+  mem_backing_track_crash (r.mb, false);
+  run_crash_reopen (&r, cseed, cache_mode);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  mem_backing_peek (r.mb, r.m.shadow, BACKING, 0);
+  check_clean_hits_equal_backing (&r, "%s: the export is older than a "
+                                  "clean key", what);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, a, sizeof a) == 0, "%s: the blocks do not "
+                 "read the last flushed write", what);
+  ck_assert_int_eq (bcf_req_writeback (q, &r.b), 0);
+  mem_backing_peek (r.mb, got, sizeof got, 0);
+  ck_assert_msg (memcmp (got, a, sizeof a) == 0, "%s: after the writeback "
+                 "the export does not hold the last flushed write", what);
+  bcf_req_free (q);
+  run_free (&r);
+  return where == CUT_CLEAN_DURABLE || cb.fired;
+}
+
+START_TEST (test_writeback_order_crash)
+{
+  int unflushed = -1;
+
+  for (int where = 0; where < CUT_COUNT; where++)
+    for (int bm = 0; bm < 2; bm++) {
+      const int backing_mode = bm ? MEM_BACKING_KEEP_ALL
+                               : MEM_BACKING_LOSE_ALL;
+      for (unsigned i = 0; i < 3; i++)
+        if (!wb_order_crash (where, crash_modes[i], backing_mode, seed + i))
+          unflushed = where;
+    }
+  ck_assert_msg (unflushed < 0, "seed %u: the writeback never flushed the "
+                 "export (the cut %s never happened)", seed,
+                 unflushed < 0 ? "" : cutname[unflushed]);
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -1340,6 +1561,7 @@ crash_suite (void)
   add (s, "invalidate_journal_choice", test_invalidate_journal_choice);
   add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
   add (s, "fill_survives_crash", test_fill_survives_crash);
+  add (s, "writeback_order_crash", test_writeback_order_crash);
   return s;
 }
 
