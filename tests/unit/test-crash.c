@@ -39,12 +39,13 @@
  * torn newest journal entry but says so (a warning, an fsck note), warns
  * about a corrupt entry it does not need that has valid entries on both
  * sides (an fsck problem: test_journal_corrupt_middle), and refuses a gap
- * in the middle of the journal; and a crash inside a writeback pass,
- * between the export write and its flush, between the flush and the
- * clean mark, or after a checkpoint wrote the clean marks, with the
- * export losing its unflushed writes or not, brings no time travel
- * either way (test_writeback_order_crash: fails with the writeback's
- * export flush skipped).
+ * in the middle of the journal; a crash inside a writeback pass, between
+ * the export write and its flush, between the flush and the clean mark,
+ * or after a checkpoint wrote the clean marks, with the export losing its
+ * unflushed writes or not, brings no time travel either way (test_
+ * writeback_order_crash: fails with the writeback's export flush
+ * skipped); and a FUA writethrough write over data that a crash brings
+ * back dirty survives the crash (test_fua_over_dirty_crash).
  */
 #include "config.h"
 
@@ -1339,6 +1340,74 @@ START_TEST (test_fill_survives_crash)
 }
 END_TEST
 
+/* ---- a FUA write over data that comes back dirty -------------------------- */
+
+/* Blocks [0, 4) hold A, written twice and flushed (the second write,
+ * over cached data, marks their write-intent region), as a dirty key
+ * (written in writeback mode) or as a clean key whose dirty version is
+ * in the journal (a writethrough write: its clean mark is not
+ * journalled).  Then, in writethrough, a FUA write of B over them, and
+ * the power goes.  B was acknowledged as durable: after recovery the
+ * blocks read B, and the export holds B after the writeback.  Without
+ * the journal wait of FUA writes in cache_write (core/request.c), B's
+ * keys rely on the mark and are lost, A comes back dirty over B and is
+ * written back over it (seen failing both ways before the fix). */
+static void
+fua_over_dirty (bool a_dirty, int cache_mode)
+{
+  struct run r;
+  struct bcf_req_opts ro = {
+    .mode = a_dirty ? BCF_MODE_WRITEBACK : BCF_MODE_WRITETHROUGH,
+  };
+  struct bcf_req *q;
+  static uint8_t a[4 * BLOCK], b[4 * BLOCK], got[4 * BLOCK];
+  struct bcf_cache_stats st;
+  const char *what = a_dirty ? "over a dirty key" : "over a clean key that "
+                     "comes back dirty";
+
+  rng_state = seed * 37 + a_dirty * 5 + (uint64_t) cache_mode;
+  run_init (&r, "fua.img", 16u << 20, 16);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  fill (a, sizeof a);
+  for (int i = 0; i < 2; i++) {
+    ck_assert_int_eq (bcf_req_write (q, &r.b, a, sizeof a, 0, false), 0);
+    ck_assert_int_eq (bcf_req_flush (q, &r.b), 0);
+  }
+  bcf_cache_stats (r.c, &st);
+  ck_assert_uint_eq (st.intent_regions, 1);
+  ck_assert_int_eq (bcf_req_set_mode (q, BCF_MODE_WRITETHROUGH), 0);
+
+  arm_undo_log (&r);
+  fill (b, sizeof b);
+  ck_assert_int_eq (bcf_req_write (q, &r.b, b, sizeof b, 0, true), 0);
+  bcf_req_free (q);
+  run_crash_reopen (&r, seed, cache_mode);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, b, sizeof b) == 0, "seed %u crash mode %d: a "
+                 "FUA write %s reads %s after a crash", seed, cache_mode,
+                 what, memcmp (got, a, sizeof a) == 0 ? "the older write"
+                 : "something else");
+  ck_assert_int_eq (bcf_req_writeback (q, &r.b), 0);
+  mem_backing_peek (r.mb, got, sizeof got, 0);
+  ck_assert_msg (memcmp (got, b, sizeof b) == 0, "seed %u crash mode %d: a "
+                 "FUA write %s: after the writeback the export does not "
+                 "hold it", seed, cache_mode, what);
+  bcf_req_free (q);
+  run_free (&r);
+}
+
+START_TEST (test_fua_over_dirty_crash)
+{
+  for (int a_dirty = 0; a_dirty < 2; a_dirty++)
+    for (unsigned i = 0; i < 3; i++)
+      fua_over_dirty (a_dirty, crash_modes[i]);
+}
+END_TEST
+
 /* ---- the writeback's order against crashes (core/writeback.c B1-B5) ------ */
 
 /* Where the power goes during a writeback pass. */
@@ -1562,6 +1631,7 @@ crash_suite (void)
   add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
   add (s, "fill_survives_crash", test_fill_survives_crash);
   add (s, "writeback_order_crash", test_writeback_order_crash);
+  add (s, "fua_over_dirty_crash", test_fua_over_dirty_crash);
   return s;
 }
 
