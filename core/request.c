@@ -48,7 +48,8 @@
  *   W2. writethrough, the whole blocks of the request (DESIGN.md "Writes
  *       on dirty keys"): bcf_write_begin puts the data in the cache as
  *       dirty keys, journalled; where the range held data a crash could
- *       bring back (w.ordered), bcf_write_durable waits for the journal.
+ *       bring back (w.ordered), bcf_write_durable waits for the journal,
+ *       and a FUA write always waits for it (cache_write says why).
  *       The partial blocks at the ends of the span, and the whole span of
  *       a write that is not cached (bypass, writearound, none, no room, a
  *       device error), are invalidated durably instead: bcf_invalidate
@@ -135,6 +136,10 @@
  * key (not yet durable) means nothing older could come back (not
  * ordered), so the backing store decides.  The clean marks of W4 are not
  * journalled: losing one only makes recovery write the same data back.
+ * (A write-intent mark stands in for the wait only against clean keys
+ * coming back, which recovery drops; an older dirty key that comes back
+ * is written back over W's data, allowed unless W was FUA, and a FUA
+ * write therefore always waits: cache_write.)
  *
  * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
@@ -1501,10 +1506,26 @@ static int write_back_span (struct bcf_req *r, const struct bcf_backing *b,
  * (data holds them), the partial blocks at the ends invalidated.
  * Returns 1 if the data is in the cache (w to be completed at W4), 0 if
  * it is not but the range is invalidated, or -EIO (see
- * cache_update_failed). */
+ * cache_update_failed).
+ *
+ * A FUA write's keys are on the journal before its backing write, even
+ * where w->ordered does not ask for it.  w->ordered is false where
+ * nothing older could come back, or where a write-intent mark covers the
+ * range; the mark only covers clean data coming back (recovery drops the
+ * clean keys of a marked region, intent.c).  Dirty data comes back too:
+ * a dirty key, or a clean one whose dirty version is still in the
+ * journal (W4's clean marks are not journalled).  Recovery keeps it and
+ * writes it back, so a write whose own keys the crash lost is replaced,
+ * in the cache and then in the backing store, by the older data.  For a
+ * write that was not flushed that is allowed (the older data is at
+ * least as new as the last flush); for a FUA write, acknowledged as
+ * durable, it is not (I3; test-crash's writeback workload with mode
+ * switches found it, TEST_SEED=2: a FUA writethrough write read the
+ * older write after the crash).  With its keys durable first, recovery
+ * finds them newer than anything older in the range. */
 static int
 cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
-             struct span in, const void *data, bool dirty,
+             struct span in, const void *data, bool dirty, bool fua,
              struct bcf_write *w)
 {
   int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, w);
@@ -1523,7 +1544,7 @@ cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
    * the dirty keys', so waiting for it covers both. */
   if ((rc = invalidate_durably (r, s.start, in.start - s.start)) == 0 &&
       (rc = invalidate_durably (r, in.end, s.end - in.end)) == 0 &&
-      bcf_write_durable (r->c, w) < 0)
+      (fua ? bcf_write_sync (r->c, w) : bcf_write_durable (r->c, w)) < 0)
     rc = cache_update_failed (r);
   if (rc < 0) {
     /* The backing write will not happen: the dirty keys must not be
@@ -1752,7 +1773,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
 
   if (insert && !cache_off (r))                                /* W2 */
-    rc = cache_write (r, b, s, in, data + (in.start - woff), dirty, &w);
+    rc = cache_write (r, b, s, in, data + (in.start - woff), dirty, fua,
+                      &w);
   else
     rc = invalidate_durably (r, s.start, s.end - s.start);
   if (insert && rc == 0)

@@ -12,7 +12,8 @@
  *     completed flush, and not touched since, is still cached.
  *
  * The backing store (tests/unit/mem-backing) is durable: only the cache
- * device crashes, as when nbdkit's host loses power and the NAS does not.
+ * device crashes, as when nbdkit's host loses power and the NAS does not
+ * (one writeback workload crashes the export too).
  * Workloads: writethrough inserts with splits and invalidations; cache-miss
  * fills with checkpoints; a small cache under eviction with GC and journal
  * wrap-around; and the request path's writethrough writes on dirty keys
@@ -21,7 +22,11 @@
  * must read, through the request layer, a value written since the last
  * flush (in flight or done), the recovery writeback must make the cache
  * and the backing store agree without changing any block's value, and
- * every clean extent must equal the backing store.
+ * every clean extent must equal the backing store.  The same checks,
+ * per sector, follow three workloads in writeback mode through the
+ * request layer, with writeback passes, checkpoints and GC among the
+ * writes, trims and flushes ("writeback mode through the request layer"
+ * below says what each adds).
  * TEST_CRASH_STRIDE (default 1) tests every K-th index.
  * The seed is printed; TEST_SEED replays.
  *
@@ -35,11 +40,17 @@
  * its leaf split, but for one a checkpoint wrote or has captured, or the
  * journal holds (test_invalidate_journal_choice, test_invalidate_
  * captured_crash); a fill survives a crash once the journal timer's
- * checkpoint ran (test_fill_survives_crash); and recovery tolerates a
+ * checkpoint ran (test_fill_survives_crash); recovery tolerates a
  * torn newest journal entry but says so (a warning, an fsck note), warns
  * about a corrupt entry it does not need that has valid entries on both
  * sides (an fsck problem: test_journal_corrupt_middle), and refuses a gap
- * in the middle of the journal.
+ * in the middle of the journal; a crash inside a writeback pass, between
+ * the export write and its flush, between the flush and the clean mark,
+ * or after a checkpoint wrote the clean marks, with the export losing its
+ * unflushed writes or not, brings no time travel either way (test_
+ * writeback_order_crash: fails with the writeback's export flush
+ * skipped); and a FUA writethrough write over data that a crash brings
+ * back dirty survives the crash (test_fua_over_dirty_crash).
  */
 #include "config.h"
 
@@ -68,8 +79,9 @@
 
 static unsigned seed;
 static char tmpdir[256];
-/* The caches opened by run_init have the write-intent regions off. */
-static bool runs_without_intent;
+/* The caches opened by run_init have the write-intent regions off, and
+ * use synchronous I/O. */
+static bool runs_without_intent, runs_sync_io;
 
 
 static void
@@ -146,6 +158,7 @@ run_init_policy (struct run *r, const char *name, uint64_t cache_bytes,
   memcpy (r->opts.backing_uuid, "crash-test-uuid!", 16);
   r->opts.direct_off = true;   /* the crash model works on the file */
   r->opts.write_intent_off = runs_without_intent;
+  r->opts.io_mode = runs_sync_io ? BCF_IO_SYNC : BCF_IO_AUTO;
   r->opts.log = log_cb;
   run_open (r, BCF_FORMAT_AUTO, true);
 }
@@ -197,19 +210,11 @@ backing_write_random (struct run *r, uint64_t blk, uint64_t nb)
   memcpy (r->m.shadow + blk * BLOCK, r->buf, nb * BLOCK);
 }
 
-/* Every hit, anywhere, reads the backing store's bytes (I2).  The format
- * and its arguments name the case in the failure message. */
-static void check_hits_equal_backing (struct run *r, const char *fmt, ...)
-  __attribute__ ((format (printf, 2, 3)));
+/* Every hit (clean_only: every clean hit; dirty data is newer than the
+ * backing store), anywhere, reads the backing store's bytes (I2). */
 static void
-check_hits_equal_backing (struct run *r, const char *fmt, ...)
+hits_equal_backing (struct run *r, bool clean_only, const char *what)
 {
-  char what[128];
-  va_list ap;
-
-  va_start (ap, fmt);
-  vsnprintf (what, sizeof what, fmt, ap);
-  va_end (ap);
   for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
     struct bcf_extent es[80];
     unsigned n;
@@ -217,13 +222,44 @@ check_hits_equal_backing (struct run *r, const char *fmt, ...)
     ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
                       0);
     for (unsigned i = 0; i < n; i++)
-      if (es[i].kind == BCF_EXTENT_HIT) {
+      if (es[i].kind == BCF_EXTENT_HIT && !(clean_only && es[i].dirty)) {
         ck_assert_int_eq (bcf_read_hit (r->c, &es[i], r->buf), 0);
         ck_assert_msg (memcmp (r->buf, r->m.shadow + es[i].offset, es[i].len)
-                       == 0, "%s: cached blocks at %" PRIu64 " differ from "
-                       "the backing store", what, es[i].offset);
+                       == 0, "%s: %s blocks at %" PRIu64 " differ from "
+                       "the backing store", what,
+                       es[i].dirty ? "dirty" : "clean cached", es[i].offset);
       }
   }
+}
+
+/* The format and its arguments name the case in the failure message. */
+static void check_hits_equal_backing (struct run *r, const char *fmt, ...)
+  __attribute__ ((format (printf, 2, 3)));
+static void
+check_hits_equal_backing (struct run *r, const char *fmt, ...)
+{
+  char what[256];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (what, sizeof what, fmt, ap);
+  va_end (ap);
+  hits_equal_backing (r, false, what);
+}
+
+static void check_clean_hits_equal_backing (struct run *r, const char *fmt,
+                                            ...)
+  __attribute__ ((format (printf, 2, 3)));
+static void
+check_clean_hits_equal_backing (struct run *r, const char *fmt, ...)
+{
+  char what[256];
+  va_list ap;
+
+  va_start (ap, fmt);
+  vsnprintf (what, sizeof what, fmt, ap);
+  va_end (ap);
+  hits_equal_backing (r, true, what);
 }
 
 /* ---- workload steps; each returns false once the "machine" died ---------- */
@@ -600,6 +636,613 @@ END_TEST
 START_TEST (test_crash_dirty) { crash_workload (W_DIRTY); }
 END_TEST
 START_TEST (test_crash_dirty_nointent) { crash_workload (W_DIRTY_NOINTENT); }
+END_TEST
+
+/* ---- writeback mode through the request layer ----------------------------- */
+
+/* The writeback workloads drive the request layer (bcf_req_*) as the
+ * filter does, mostly in writeback mode, with no background threads: the
+ * writeback runs where the workload says (bcf_req_writeback), and fills
+ * are drained after each read, so that one seed makes the same
+ * cache-device writes every time and write index N is the same write in
+ * every run (a run that never reaches its power cut says so).
+ *
+ * The model is per 512-byte sector: what the cache reads now
+ * (r->m.shadow), and for each sector the values it may read after a
+ * crash: its value at the last flush, or at the last FUA request that
+ * covered it whole, and every value written to it since (acknowledged or
+ * in flight).  Unaligned requests are byte-granular where the export is
+ * durable: a patch of a sector then lands on the sector's current value
+ * (the request path widens writes over dirty data to whole blocks, and
+ * a write that bypasses the cache lands on an export that has the
+ * current value).  Where the export crashes too they are sector-granular:
+ * mem_backing reverts an unflushed write except for the bytes a kept newer
+ * write covers, so a sector could mix two writes, which a disk (atomic
+ * per sector) cannot.
+ *
+ * Three workloads, each power-cut at every write index:
+ *  - WB_SWITCH: the default configuration (write-intent regions on), and
+ *    now and then a switch to writethrough or writearound and back, so
+ *    that writes (FUA ones too) land on dirty data in the clean modes;
+ *  - WB_NOINTENT: the same without write-intent regions: clean keys then
+ *    survive the crash (a marked region's are dropped), and every one
+ *    must equal the export;
+ *  - WB_BACKING: the export loses its unflushed writes at the same crash
+ *    (mem_backing_crash), write-intent regions off so that clean keys
+ *    survive and are compared with what the export kept.  The writeback
+ *    flushes the export before it marks keys clean (core/writeback.c B4),
+ *    so no acknowledged write may be lost either way.  This workload
+ *    caches data only through writeback-mode writes: its reads fill
+ *    nothing and it stays in writeback mode.  A fill, or a writethrough
+ *    write, of data the export has not flushed yet leaves a clean key
+ *    that a checkpoint makes durable while the export can still lose
+ *    the data: a hole outside the writeback, not closed yet (nothing
+ *    flushes the export before a checkpoint writes clean keys).
+ *
+ * TEST_CRASH_ONLY=N runs write index N alone, TEST_CRASH_TRACE=N prints
+ * the operations of the run cut at N (0: the run that counts the
+ * writes), and TEST_VERBOSE what the counting run did.
+ */
+#define SECTOR 512u
+#define NSECT (BACKING / SECTOR)
+#define WB_MAXV 24              /* values per sector between flushes */
+#define WB_OPS 400              /* at most; WB_MAX_WRITES ends it first */
+#define WB_MAX_WRITES 700       /* cache-device writes: the crash points */
+#define WB_CACHE_BYTES (1536u << 10)    /* for a 4 MiB export: dirty data
+                                           can fill it */
+
+enum wb_workload { WB_SWITCH, WB_NOINTENT, WB_BACKING, WB_COUNT };
+static const char *const wbname[] = {
+  "writeback with mode switches",
+  "writeback with mode switches, no write-intent regions",
+  "writeback, the export crashes too",
+};
+
+enum wb_op { OP_WRITE, OP_WRITE_DIRTY, OP_TRIM, OP_ZERO, OP_READ, OP_FLUSH,
+             OP_WRITEBACK, OP_CHECKPOINT, OP_GC, OP_STREAM, OP_SWITCH,
+             OP_COUNT };
+static const char *const opname[] = {
+  "write", "write over dirty data", "trim", "zero", "read", "flush",
+  "writeback", "checkpoint", "gc", "stream", "mode switch",
+};
+
+struct wb {
+  enum wb_workload w;
+  struct run *r;
+  struct bcf_req *q;            /* the workload's requests */
+  struct bcf_req *qr;           /* its reads: q, or one that fills nothing */
+  unsigned granule;             /* of unaligned requests: 1 or SECTOR */
+  uint64_t cut, writes0;        /* the power goes after write cut from
+                                   writes0 (0: never) */
+  unsigned op;                  /* the operation running (messages) */
+  bool trace;                   /* print the operations (TEST_CRASH_TRACE) */
+  unsigned nops[OP_COUNT], nfua, nunaligned;
+  uint64_t cur[NSECT];          /* hash of each sector's value now */
+  uint64_t vals[NSECT][WB_MAXV];        /* may be read after a crash */
+  uint8_t nvals[NSECT];
+  bool dirty[NBLOCKS];          /* written since the last writeback */
+};
+
+static void wb_trace (struct wb *wb, const char *fmt, ...)
+  __attribute__ ((format (printf, 2, 3)));
+static void
+wb_trace (struct wb *wb, const char *fmt, ...)
+{
+  va_list ap;
+
+  if (!wb->trace)
+    return;
+  va_start (ap, fmt);
+  fputs ("test-crash: ", stderr);
+  vfprintf (stderr, fmt, ap);
+  fputc ('\n', stderr);
+  va_end (ap);
+}
+
+static uint64_t
+sector_hash (const uint8_t *p)
+{
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+
+  for (unsigned i = 0; i < SECTOR; i += 8) {
+    uint64_t x;
+    memcpy (&x, p + i, 8);
+    h = (h ^ x) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  return h;
+}
+
+static bool
+wb_value_allowed (const struct wb *wb, uint64_t s, uint64_t h)
+{
+  for (unsigned i = 0; i < wb->nvals[s]; i++)
+    if (wb->vals[s][i] == h)
+      return true;
+  return false;
+}
+
+/* Bytes [off, off + len) of the shadow changed: their sectors may read
+ * the new values from now on.  (Not ck_assert: a passing one costs a
+ * write to Check's log, and this runs for every sector written.) */
+static void
+wb_changed (struct wb *wb, uint64_t off, uint64_t len)
+{
+  for (uint64_t s = off / SECTOR; s < (off + len + SECTOR - 1) / SECTOR;
+       s++) {
+    uint64_t h = sector_hash (wb->r->m.shadow + s * SECTOR);
+
+    wb->cur[s] = h;
+    if (!wb_value_allowed (wb, s, h)) {
+      if (wb->nvals[s] >= WB_MAXV)      /* wb_room sees to it */
+        ck_abort_msg ("seed %u: sector %" PRIu64 ": too many values", seed,
+                      s);
+      wb->vals[s][wb->nvals[s]++] = h;
+    }
+  }
+}
+
+/* A flush (or a FUA request) made the sectors wholly inside [off, off +
+ * len) durable: only their values now may be read after a crash. */
+static void
+wb_settle (struct wb *wb, uint64_t off, uint64_t len)
+{
+  for (uint64_t s = (off + SECTOR - 1) / SECTOR; s < (off + len) / SECTOR;
+       s++) {
+    wb->vals[s][0] = wb->cur[s];
+    wb->nvals[s] = 1;
+  }
+}
+
+/* Room for one more value in every sector of [off, off + len)? */
+static bool
+wb_room (const struct wb *wb, uint64_t off, uint64_t len)
+{
+  for (uint64_t s = off / SECTOR; s < (off + len + SECTOR - 1) / SECTOR;
+       s++)
+    if (wb->nvals[s] >= WB_MAXV)
+      return false;
+  return true;
+}
+
+/* Cache-device writes since the workload began. */
+static uint64_t
+wb_writes (struct wb *wb)
+{
+  struct bcf_io_stats st;
+
+  bcf_io_stats (bcf_cache_test_io (wb->r->c), &st);
+  return st.writes - wb->writes0;
+}
+
+/* Has the power gone (write cut done)? */
+static bool
+wb_dead (struct wb *wb)
+{
+  return wb->cut && wb_writes (wb) >= wb->cut;
+}
+
+/* Did a step succeed?  Before the power cut nothing may fail; after it
+ * the workload stops (the machine died). */
+static bool
+wb_ok (struct wb *wb, int rc, const char *what)
+{
+  if (rc == 0)
+    return true;
+  ck_assert_msg (wb_dead (wb), "seed %u workload %s op %u: %s failed "
+                 "before the power cut: %s", seed, wbname[wb->w], wb->op,
+                 what, strerror (-rc));
+  return false;
+}
+
+static bool
+wb_flush (struct wb *wb)
+{
+  if (!wb_ok (wb, bcf_req_flush (wb->q, &wb->r->b), "flush"))
+    return false;
+  wb_settle (wb, 0, BACKING);
+  return true;
+}
+
+static bool
+wb_write (struct wb *wb, uint64_t off, uint64_t len, bool fua)
+{
+  struct run *r = wb->r;
+
+  if (!wb_room (wb, off, len) && !wb_flush (wb))
+    return false;
+  fill (r->buf, len);
+  memcpy (r->m.shadow + off, r->buf, len);
+  wb_changed (wb, off, len);
+  for (uint64_t b = off / BLOCK; b < (off + len + BLOCK - 1) / BLOCK; b++)
+    wb->dirty[b] = true;
+  wb->nfua += fua;
+  wb->nunaligned += off % BLOCK || len % BLOCK;
+  wb_trace (wb, "%s write [%" PRIu64 ", +%" PRIu64 ") (blocks %" PRIu64
+            "..%" PRIu64 ")%s", bcf_cache_mode_name (bcf_req_mode (wb->q)),
+            off, len, off / BLOCK, (off + len - 1) / BLOCK,
+            fua ? " FUA" : "");
+  if (!wb_ok (wb, bcf_req_write (wb->q, &r->b, r->buf, (uint32_t) len, off,
+                                 fua), fua ? "FUA write" : "write"))
+    return false;
+  if (fua)
+    wb_settle (wb, off, len);
+  return true;
+}
+
+static bool
+wb_discard (struct wb *wb, uint64_t off, uint64_t len, bool zero, bool fua)
+{
+  struct run *r = wb->r;
+  bool may_trim = rnd_below (2);
+  int rc;
+
+  if (!wb_room (wb, off, len) && !wb_flush (wb))
+    return false;
+  /* mem_backing's trim zeroes, as nbdkit's memory plugin does. */
+  memset (r->m.shadow + off, 0, len);
+  wb_changed (wb, off, len);
+  wb->nfua += fua;
+  wb->nunaligned += off % BLOCK || len % BLOCK;
+  wb_trace (wb, "%s [%" PRIu64 ", +%" PRIu64 ") (blocks %" PRIu64 "..%"
+            PRIu64 ")%s", zero ? "zero" : "trim", off, len, off / BLOCK,
+            (off + len - 1) / BLOCK, fua ? " FUA" : "");
+  rc = zero ? bcf_req_zero (wb->q, &r->b, (uint32_t) len, off, may_trim, fua)
+       : bcf_req_trim (wb->q, &r->b, (uint32_t) len, off, fua);
+  if (!wb_ok (wb, rc, zero ? "zero" : "trim"))
+    return false;
+  if (fua)
+    wb_settle (wb, off, len);
+  return true;
+}
+
+/* A read returns the last write (one thread: nothing is in flight). */
+static bool
+wb_read (struct wb *wb, uint64_t off, uint64_t len)
+{
+  struct run *r = wb->r;
+  int rc = bcf_req_read (wb->qr, &r->b, r->buf, (uint32_t) len, off);
+
+  bcf_req_drain (wb->qr);       /* the fills: the same writes every run */
+  if (!wb_ok (wb, rc, "read"))
+    return false;
+  ck_assert_msg (memcmp (r->buf, r->m.shadow + off, len) == 0,
+                 "seed %u workload %s op %u: a read of [%" PRIu64 ", +%"
+                 PRIu64 ") does not return the last write (I1)", seed,
+                 wbname[wb->w], wb->op, off, len);
+  return true;
+}
+
+/* A writeback pass; a third of them followed at once by a checkpoint,
+ * which puts the clean marks on disk before anything else flushes the
+ * export (what B4 is for). */
+static bool
+wb_writeback (struct wb *wb)
+{
+  if (!wb_ok (wb, bcf_req_writeback (wb->q, &wb->r->b), "writeback"))
+    return false;
+  memset (wb->dirty, 0, sizeof wb->dirty);
+  return rnd_below (3) != 0 || wb_dead (wb) ||
+         wb_ok (wb, bcf_cache_checkpoint (wb->r->c), "checkpoint");
+}
+
+/* Out of writeback mode into writethrough or writearound, or back. */
+static bool
+wb_switch (struct wb *wb)
+{
+  enum bcf_cache_mode m = bcf_req_mode (wb->q) != BCF_MODE_WRITEBACK
+                          ? BCF_MODE_WRITEBACK : rnd_below (2)
+                          ? BCF_MODE_WRITETHROUGH : BCF_MODE_WRITEAROUND;
+
+  wb_trace (wb, "mode %s", bcf_cache_mode_name (m));
+  ck_assert_int_eq (bcf_req_set_mode (wb->q, m), 0);
+  return true;
+}
+
+/* A range for a request: blocks, at a dirty block if over_dirty (the
+ * next one from a random place), unaligned to the granule if asked. */
+static void
+wb_pick (struct wb *wb, bool over_dirty, bool unaligned, uint64_t *off,
+         uint64_t *len)
+{
+  uint64_t blk = rnd_below (NBLOCKS), nb = 1 + rnd_below (8);
+  const uint64_t g = wb->granule;
+
+  if (over_dirty)
+    for (uint64_t i = 0; i < NBLOCKS; i++)
+      if (wb->dirty[(blk + i) % NBLOCKS]) {
+        blk = (blk + i) % NBLOCKS;
+        break;
+      }
+  if (blk + nb > NBLOCKS)
+    nb = NBLOCKS - blk;
+  *off = blk * BLOCK;
+  *len = nb * BLOCK;
+  if (unaligned) {
+    *off += rnd_below (BLOCK / g) * g;
+    *len = (1 + rnd_below (nb * BLOCK / g)) * g;
+    if (*off + *len > BACKING)
+      *len = BACKING - *off;
+  }
+}
+
+/* One operation, chosen at random. */
+static bool
+wb_step (struct wb *wb)
+{
+  struct run *r = wb->r;
+  uint64_t what = rnd_below (100), off, len;
+  bool unaligned = rnd_below (100) < 35, fua = rnd_below (100) < 12;
+  bool alive = true;
+  struct bcf_cache_stats cs;
+  enum wb_op op;
+
+  /* Where most buckets are marked dirty, write back and run GC (which
+   * updates the marks) more often, as the writeback thread's rate
+   * controller and the GC thread that the allocator wakes would: a cache
+   * full of dirty data is reached now and then, not in every run (there
+   * a write first reclaims what few buckets it can, one prio write each,
+   * and then goes through: one such write makes hundreds of crash
+   * points). */
+  bcf_cache_stats (r->c, &cs);
+  if (cs.buckets_dirty * 100 > cs.nbuckets * 70 && rnd_below (3) != 0)
+    what = rnd_below (2) ? 72 : 86;
+
+  if (what < 27) {
+    op = OP_WRITE;
+    wb_pick (wb, false, unaligned, &off, &len);
+    alive = wb_write (wb, off, len, fua);
+  }
+  else if (what < 44) {
+    op = OP_WRITE_DIRTY;
+    wb_pick (wb, true, unaligned, &off, &len);
+    alive = wb_write (wb, off, len, fua);
+  }
+  else if (what < 53) {
+    op = what < 49 ? OP_TRIM : OP_ZERO;
+    wb_pick (wb, rnd_below (100) < 70, unaligned, &off, &len);
+    alive = wb_discard (wb, off, len, op == OP_ZERO, fua);
+  }
+  else if (what < 63) {
+    op = OP_READ;
+    wb_pick (wb, false, unaligned, &off, &len);
+    alive = wb_read (wb, off, len);
+  }
+  else if (what < 71) {
+    op = OP_FLUSH;
+    alive = wb_flush (wb);
+  }
+  else if (what < 76) {
+    op = OP_WRITEBACK;
+    alive = wb_writeback (wb);
+  }
+  else if (what < 84) {
+    op = OP_CHECKPOINT;
+    alive = wb_ok (wb, bcf_cache_checkpoint (r->c), "checkpoint");
+  }
+  else if (what < 88) {
+    op = OP_GC;
+    alive = wb_ok (wb, bcf_gc_run (r->c), "GC");
+  }
+  else if (what < 97 || wb->w == WB_BACKING) {
+    /* 4 x 64 KiB in a row: past the 128 KiB sequential cutoff the
+     * stream bypasses the cache (over dirty data it does not: it is
+     * cached instead). */
+    op = OP_STREAM;
+    off = rnd_below (NBLOCKS - 64) * BLOCK;
+    for (unsigned i = 0; i < 4 && alive && !wb_dead (wb); i++)
+      alive = wb_write (wb, off + i * 16 * BLOCK, 16 * BLOCK, false);
+  }
+  else {
+    op = OP_SWITCH;
+    alive = wb_switch (wb);
+  }
+  wb->nops[op]++;
+  wb_trace (wb, "op %u (%s) done: %" PRIu64 " cache-device writes, %"
+            PRIu64 " bytes dirty", wb->op, opname[op], wb_writes (wb),
+            bcf_cache_dirty_bytes (r->c));
+  return alive;
+}
+
+/* Writes (aligned or not, some FUA) anywhere and over dirty data, trims
+ * and zeroes (mostly of dirty ranges), reads, flushes, writeback passes,
+ * checkpoints, GC passes, short sequential streams that the cutoff makes
+ * bypass the cache, and mode switches, on a cache small enough that
+ * dirty data fills it (writes are then written through) and GC and the
+ * journal wrap.  It ends after WB_OPS operations, or at the first that
+ * brings the cache-device writes to WB_MAX_WRITES: that bounds the crash
+ * points, whatever the seed.  Then a flush. */
+static void
+wb_workload (struct wb *wb, unsigned wseed)
+{
+  struct run *r = wb->r;
+
+  rng_state = wseed * 0x9E3779B97F4A7C15ull + 29;
+  for (uint64_t s = 0; s < NSECT; s++) {
+    wb->cur[s] = wb->vals[s][0] = sector_hash (r->m.shadow + s * SECTOR);
+    wb->nvals[s] = 1;
+  }
+  for (wb->op = 0; wb->op < WB_OPS; wb->op++)
+    if (!wb_step (wb) || wb_dead (wb) || wb_writes (wb) >= WB_MAX_WRITES)
+      break;
+  if (!wb_dead (wb))
+    wb_flush (wb);
+  ck_assert_msg (!wb->cut || wb_dead (wb), "seed %u workload %s: write %"
+                 PRIu64 " never came (%" PRIu64 " writes): the workload is "
+                 "not deterministic", seed, wbname[wb->w], wb->cut,
+                 wb_writes (wb));
+}
+
+/* After the crash: fsck; every sector reads (through the request layer)
+ * a value the model allows; a full writeback leaves nothing dirty,
+ * changes no value, and leaves the export equal to what the cache reads;
+ * every clean extent equals the export. */
+static void
+wb_check (struct wb *wb, uint64_t n)
+{
+  struct run *r = wb->r;
+  /* Mode none: reads serve hits, dirty or clean, and fill nothing, so
+   * the check neither changes the cache it looks at nor pays for filling
+   * a small cache with the whole export at every crash point. */
+  struct bcf_req_opts ro = { .mode = BCF_MODE_NONE };
+  struct bcf_req_stats rs;
+  /* Static: fresh 4 MiB buffers at every crash point cost more in page
+   * faults than the rest of the check. */
+  static uint8_t first[BACKING], again[BACKING];
+  struct bcf_req *q;
+  char report[4096];
+  int problems = bcf_cache_fsck (r->c, report, sizeof report);
+
+  ck_assert_msg (problems == 0, "seed %u workload %s cut at write %" PRIu64
+                 ": fsck found %d problems:\n%s", seed, wbname[wb->w], n,
+                 problems, report);
+  q = bcf_req_new (r->c, &ro);
+  ck_assert_ptr_nonnull (q);
+  for (uint64_t off = 0; off < BACKING; off += 64 * BLOCK)
+    ck_assert_int_eq (bcf_req_read (q, &r->b, first + off, 64 * BLOCK, off),
+                      0);
+  mem_backing_peek (r->mb, again, BACKING, 0);
+  for (uint64_t s = 0; s < NSECT; s++) {
+    uint64_t h = sector_hash (first + s * SECTOR);
+
+    if (!wb_value_allowed (wb, s, h))
+      ck_abort_msg ("seed %u workload %s cut at write %" PRIu64 ": sector %"
+                    PRIu64 " (block %" PRIu64 ") reads a value older than "
+                    "its last flush, or one never written there (%s the "
+                    "export's; %u values allowed)", seed, wbname[wb->w],
+                    n, s, s * SECTOR / BLOCK,
+                    memcmp (first + s * SECTOR, again + s * SECTOR, SECTOR)
+                    == 0 ? "equal to" : "unlike", wb->nvals[s]);
+  }
+  ck_assert_int_eq (bcf_req_writeback (q, &r->b), 0);
+  bcf_req_get_stats (q, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, 0);
+  for (uint64_t off = 0; off < BACKING; off += 64 * BLOCK)
+    ck_assert_int_eq (bcf_req_read (q, &r->b, again + off, 64 * BLOCK, off),
+                      0);
+  ck_assert_msg (memcmp (first, again, BACKING) == 0,
+                 "seed %u workload %s cut at write %" PRIu64 ": a block "
+                 "reads another value after the writeback", seed,
+                 wbname[wb->w], n);
+  mem_backing_peek (r->mb, again, BACKING, 0);
+  ck_assert_msg (memcmp (first, again, BACKING) == 0,
+                 "seed %u workload %s cut at write %" PRIu64 ": after the "
+                 "writeback the export differs from what the cache reads",
+                 seed, wbname[wb->w], n);
+  bcf_req_free (q);
+  memcpy (r->m.shadow, again, BACKING);
+  check_hits_equal_backing (r, "seed %u workload %s cut at write %" PRIu64,
+                            seed, wbname[wb->w], n);
+}
+
+static void
+wb_summary (struct wb *wb)
+{
+  struct bcf_cache_stats cs;
+  struct bcf_req_stats rs;
+
+  bcf_cache_stats (wb->r->c, &cs);
+  bcf_req_get_stats (wb->q, &rs);
+  printf ("test-crash: workload %s: %u operations:", wbname[wb->w], wb->op);
+  for (int i = 0; i < OP_COUNT; i++)
+    printf (" %s %u,", opname[i], wb->nops[i]);
+  printf (" (%u FUA, %u unaligned); %" PRIu64 " cache-device writes, %"
+          PRIu64 " checkpoints, %" PRIu64 " GC passes, %" PRIu64
+          " journal writes, %" PRIu64 " writes written through for want "
+          "of room, %" PRIu64 " bytes written back\n", wb->nfua,
+          wb->nunaligned, wb_writes (wb), cs.checkpoint.count, cs.gc_passes,
+          cs.journal_writes, rs.writeback_cutoff_writes,
+          rs.writeback_bytes);
+}
+
+/* One run of workload w: power cut after write cut (0: none), then the
+ * crash (of the export too in WB_BACKING), recovery and the checks.
+ * Returns the cache-device writes the workload made. */
+static uint64_t
+wb_one (enum wb_workload w, uint64_t cut)
+{
+  struct run r;
+  struct wb *wb = calloc (1, sizeof *wb);
+  struct bcf_req_opts ro = { .mode = BCF_MODE_WRITEBACK,
+                             .sequential_cutoff = 32 * BLOCK };
+  const struct bcf_req_opts rro = { .mode = BCF_MODE_NONE };
+  struct bcf_io_faults f = { .power_cut_after_write = cut };
+  const char *trace = getenv ("TEST_CRASH_TRACE");
+  uint64_t writes;
+
+  ck_assert_ptr_nonnull (wb);
+  /* Sync I/O: the crash model lies above both I/O paths, and io_uring
+   * on a tmpfs file hands every write to a kernel worker thread, which
+   * costs these workloads half their time. */
+  runs_sync_io = true;
+  runs_without_intent = w != WB_SWITCH;
+  run_init (&r, "wb.img", WB_CACHE_BYTES, 16);
+  runs_sync_io = runs_without_intent = false;
+  wb->w = w;
+  wb->r = &r;
+  wb->granule = w == WB_BACKING ? SECTOR : 1;
+  wb->q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (wb->q);
+  wb->qr = w == WB_BACKING ? bcf_req_new (r.c, &rro) : wb->q;
+  ck_assert_ptr_nonnull (wb->qr);
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+  wb->cut = cut;
+  wb->writes0 = 0;
+  wb->writes0 = wb_writes (wb);         /* counted from here on */
+  wb->trace = trace && strtoull (trace, NULL, 0) == cut;
+  if (w == WB_BACKING)
+    mem_backing_track_crash (r.mb, true);
+
+  wb_workload (wb, seed);
+  writes = wb_writes (wb);
+  if (!cut && getenv ("TEST_VERBOSE"))
+    wb_summary (wb);
+  if (wb->qr != wb->q)
+    bcf_req_free (wb->qr);
+  bcf_req_free (wb->q);
+  if (cut) {
+    if (w == WB_BACKING) {
+      mem_backing_crash (r.mb, MEM_BACKING_RANDOM, seed ^ (cut << 20));
+      mem_backing_track_crash (r.mb, false);
+    }
+    run_crash_reopen (&r, seed ^ cut, BCF_IO_CRASH_RANDOM);
+    wb_check (wb, cut);
+  }
+  else
+    bcf_io_set_faults (bcf_cache_test_io (r.c), NULL);
+  free (wb);
+  run_free (&r);
+  return writes;
+}
+
+static void
+wb_crash_workload (enum wb_workload w)
+{
+  const char *s = getenv ("TEST_CRASH_STRIDE");
+  const char *o = getenv ("TEST_CRASH_ONLY");
+  uint64_t stride = s ? strtoull (s, NULL, 0) : 1, total, tested = 0;
+  uint64_t only = o ? strtoull (o, NULL, 0) : 0;
+
+  if (stride == 0)
+    stride = 1;
+  total = wb_one (w, 0);
+  if (only)
+    total = only;
+  for (uint64_t n = only ? only : 1; n <= total; n += stride) {
+    wb_one (w, n);
+    tested++;
+  }
+  printf ("test-crash: workload %s: %" PRIu64 " of %" PRIu64
+          " write indices power-cut, recovered and checked\n", wbname[w],
+          tested, total);
+  fflush (stdout);
+}
+
+START_TEST (test_crash_writeback) { wb_crash_workload (WB_SWITCH); }
+END_TEST
+START_TEST (test_crash_writeback_nointent) { wb_crash_workload (WB_NOINTENT); }
+END_TEST
+START_TEST (test_crash_writeback_export) { wb_crash_workload (WB_BACKING); }
 END_TEST
 
 /* ---- journal recovery edge cases ------------------------------------------- */
@@ -1311,6 +1954,267 @@ START_TEST (test_fill_survives_crash)
 }
 END_TEST
 
+/* ---- a FUA write over data that comes back dirty -------------------------- */
+
+/* Blocks [0, 4) hold A, written twice and flushed (the second write,
+ * over cached data, marks their write-intent region), as a dirty key
+ * (written in writeback mode) or as a clean key whose dirty version is
+ * in the journal (a writethrough write: its clean mark is not
+ * journalled).  Then, in writethrough, a FUA write of B over them, and
+ * the power goes.  B was acknowledged as durable: after recovery the
+ * blocks read B, and the export holds B after the writeback.  Without
+ * the journal wait of FUA writes in cache_write (core/request.c), B's
+ * keys rely on the mark and are lost, A comes back dirty over B and is
+ * written back over it (seen failing both ways before the fix). */
+static void
+fua_over_dirty (bool a_dirty, int cache_mode)
+{
+  struct run r;
+  struct bcf_req_opts ro = {
+    .mode = a_dirty ? BCF_MODE_WRITEBACK : BCF_MODE_WRITETHROUGH,
+  };
+  struct bcf_req *q;
+  static uint8_t a[4 * BLOCK], b[4 * BLOCK], got[4 * BLOCK];
+  struct bcf_cache_stats st;
+  const char *what = a_dirty ? "over a dirty key" : "over a clean key that "
+                     "comes back dirty";
+
+  rng_state = seed * 37 + a_dirty * 5 + (uint64_t) cache_mode;
+  run_init (&r, "fua.img", 16u << 20, 16);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  fill (a, sizeof a);
+  for (int i = 0; i < 2; i++) {
+    ck_assert_int_eq (bcf_req_write (q, &r.b, a, sizeof a, 0, false), 0);
+    ck_assert_int_eq (bcf_req_flush (q, &r.b), 0);
+  }
+  bcf_cache_stats (r.c, &st);
+  ck_assert_uint_eq (st.intent_regions, 1);
+  ck_assert_int_eq (bcf_req_set_mode (q, BCF_MODE_WRITETHROUGH), 0);
+
+  arm_undo_log (&r);
+  fill (b, sizeof b);
+  ck_assert_int_eq (bcf_req_write (q, &r.b, b, sizeof b, 0, true), 0);
+  bcf_req_free (q);
+  run_crash_reopen (&r, seed, cache_mode);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, b, sizeof b) == 0, "seed %u crash mode %d: a "
+                 "FUA write %s reads %s after a crash", seed, cache_mode,
+                 what, memcmp (got, a, sizeof a) == 0 ? "the older write"
+                 : "something else");
+  ck_assert_int_eq (bcf_req_writeback (q, &r.b), 0);
+  mem_backing_peek (r.mb, got, sizeof got, 0);
+  ck_assert_msg (memcmp (got, b, sizeof b) == 0, "seed %u crash mode %d: a "
+                 "FUA write %s: after the writeback the export does not "
+                 "hold it", seed, cache_mode, what);
+  bcf_req_free (q);
+  run_free (&r);
+}
+
+START_TEST (test_fua_over_dirty_crash)
+{
+  for (int a_dirty = 0; a_dirty < 2; a_dirty++)
+    for (unsigned i = 0; i < 3; i++)
+      fua_over_dirty (a_dirty, crash_modes[i]);
+}
+END_TEST
+
+/* ---- the writeback's order against crashes (core/writeback.c B1-B5) ------ */
+
+/* Where the power goes during a writeback pass. */
+enum wb_cut {
+  CUT_EXPORT_WRITTEN,   /* B3 done, before B4: the export has the data in
+                           its volatile cache, the keys are dirty */
+  CUT_FLUSHED,          /* B4 done, before B5: durable on the export, the
+                           keys still dirty */
+  CUT_CLEAN_DURABLE,    /* B5 done and a checkpoint wrote the clean keys */
+  CUT_COUNT
+};
+static const char *const cutname[] = {
+  "between the export write and its flush",
+  "between the export flush and the clean mark",
+  "after the clean mark, made durable by a checkpoint",
+};
+
+/* A backing store that hands the writeback's flush to the test: the
+ * mem_backing it wraps, with the power cut at the flush. */
+struct cut_backing {
+  struct bcf_backing inner;
+  struct bcf_cache *c;
+  enum wb_cut where;
+  bool fired;
+};
+
+static int
+cb_pread (void *o, void *buf, uint32_t count, uint64_t offset)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->pread (cb->inner.opaque, buf, count, offset);
+}
+
+static int
+cb_pwrite (void *o, const void *buf, uint32_t count, uint64_t offset,
+           bool fua)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->pwrite (cb->inner.opaque, buf, count, offset, fua);
+}
+
+/* The power cut is at once (the cache device takes nothing more) and
+ * the flush does not happen (CUT_EXPORT_WRITTEN: the machine died), or
+ * happens (CUT_FLUSHED): what follows in the pass, the clean mark, only
+ * changes memory. */
+static int
+cb_flush (void *o)
+{
+  struct cut_backing *cb = o;
+  int rc = 0;
+
+  if (!cb->fired && cb->where == CUT_EXPORT_WRITTEN) {
+    cb->fired = true;
+    bcf_io_test_power_cut (bcf_cache_test_io (cb->c), 0);
+    return -EIO;
+  }
+  rc = cb->inner.ops->flush (cb->inner.opaque);
+  if (!cb->fired && cb->where == CUT_FLUSHED) {
+    cb->fired = true;
+    bcf_io_test_power_cut (bcf_cache_test_io (cb->c), 0);
+  }
+  return rc;
+}
+
+static int
+cb_trim (void *o, uint32_t count, uint64_t offset)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->trim (cb->inner.opaque, count, offset);
+}
+
+static int
+cb_zero (void *o, uint32_t count, uint64_t offset, bool may_trim)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->zero (cb->inner.opaque, count, offset, may_trim);
+}
+
+static int64_t
+cb_size (void *o)
+{
+  struct cut_backing *cb = o;
+  return cb->inner.ops->size (cb->inner.opaque);
+}
+
+static const struct bcf_backing_ops cut_backing_ops = {
+  .pread = cb_pread, .pwrite = cb_pwrite, .flush = cb_flush,
+  .trim = cb_trim, .zero = cb_zero, .size = cb_size,
+};
+
+/* Blocks [0, 16) hold O on the export (durable) and, as a clean key, in
+ * the cache (a checkpointed fill); then A is written over them in
+ * writeback mode and flushed: A is the last flushed write, dirty.  A
+ * writeback pass then writes A back and the power goes at `where`, for
+ * the cache device (in cache_mode) and for the export (in backing_mode:
+ * its unflushed writes lost, or kept).  After recovery, no time travel
+ * either way: the blocks read A (the cache does not serve the older O),
+ * every clean extent equals the export (the export is not older than a
+ * clean key), and a writeback leaves A on the export.
+ *
+ * Negative control, checked by hand: with the backing flush of
+ * write_batch (B4) skipped, CUT_CLEAN_DURABLE with the export losing its
+ * unflushed writes fails: the clean A that the checkpoint made durable
+ * is dropped at recovery (its write-intent region is marked) and the
+ * blocks read O from the export, older than the last flush; with the
+ * regions off, the cache would keep A while the export holds O.  (The
+ * cuts at the flush then never happen either: that is asserted last, so
+ * that the data checks speak first.)  Returns whether the cut at the
+ * flush happened (always true for CUT_CLEAN_DURABLE). */
+static bool
+wb_order_crash (enum wb_cut where, int cache_mode, int backing_mode,
+                uint64_t cseed)
+{
+  struct run r;
+  struct cut_backing cb;
+  struct bcf_req_opts ro = { .mode = BCF_MODE_WRITEBACK };
+  struct bcf_req *q;
+  struct bcf_backing b;
+  static uint8_t a[16 * BLOCK], got[16 * BLOCK];
+  char what[256];
+  int rc;
+
+  snprintf (what, sizeof what, "seed %u: crash %s (cache device: mode %d, "
+            "export: %s its unflushed writes)", seed, cutname[where],
+            cache_mode, backing_mode == MEM_BACKING_LOSE_ALL ? "loses"
+            : "keeps");
+  rng_state = seed * 31 + where * 7 + (uint64_t) cache_mode * 3
+              + (uint64_t) backing_mode;
+  run_init (&r, "order.img", 16u << 20, 16);
+  cb = (struct cut_backing) { .inner = r.b, .c = r.c, .where = where };
+  b = (struct bcf_backing) { .ops = &cut_backing_ops, .opaque = &cb };
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+
+  fill (r.buf, sizeof a);
+  mem_backing_poke (r.mb, r.buf, sizeof a, 0);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  bcf_req_drain (q);
+  ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  fill (a, sizeof a);
+  ck_assert_int_eq (bcf_req_write (q, &r.b, a, sizeof a, 0, false), 0);
+  ck_assert_int_eq (bcf_req_flush (q, &r.b), 0);
+
+  arm_undo_log (&r);
+  mem_backing_track_crash (r.mb, true);
+  rc = bcf_req_writeback (q, &b);
+  if (where == CUT_EXPORT_WRITTEN && cb.fired)
+    ck_assert_int_lt (rc, 0);   /* the flush "failed": the machine died */
+  else
+    ck_assert_int_eq (rc, 0);
+  if (where == CUT_CLEAN_DURABLE)
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  bcf_req_free (q);
+
+  mem_backing_crash (r.mb, backing_mode, cseed);
+  mem_backing_track_crash (r.mb, false);
+  run_crash_reopen (&r, cseed, cache_mode);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  mem_backing_peek (r.mb, r.m.shadow, BACKING, 0);
+  check_clean_hits_equal_backing (&r, "%s: the export is older than a "
+                                  "clean key", what);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  ck_assert_msg (memcmp (got, a, sizeof a) == 0, "%s: the blocks do not "
+                 "read the last flushed write", what);
+  ck_assert_int_eq (bcf_req_writeback (q, &r.b), 0);
+  mem_backing_peek (r.mb, got, sizeof got, 0);
+  ck_assert_msg (memcmp (got, a, sizeof a) == 0, "%s: after the writeback "
+                 "the export does not hold the last flushed write", what);
+  bcf_req_free (q);
+  run_free (&r);
+  return where == CUT_CLEAN_DURABLE || cb.fired;
+}
+
+START_TEST (test_writeback_order_crash)
+{
+  int unflushed = -1;
+
+  for (int where = 0; where < CUT_COUNT; where++)
+    for (int bm = 0; bm < 2; bm++) {
+      const int backing_mode = bm ? MEM_BACKING_KEEP_ALL
+                               : MEM_BACKING_LOSE_ALL;
+      for (unsigned i = 0; i < 3; i++)
+        if (!wb_order_crash (where, crash_modes[i], backing_mode, seed + i))
+          unflushed = where;
+    }
+  ck_assert_msg (unflushed < 0, "seed %u: the writeback never flushed the "
+                 "export (the cut %s never happened)", seed,
+                 unflushed < 0 ? "" : cutname[unflushed]);
+}
+END_TEST
+
 static void
 add (Suite *s, const char *name, const TTest *t)
 {
@@ -1333,6 +2237,9 @@ crash_suite (void)
   add (s, "crash_eviction", test_crash_eviction);
   add (s, "crash_dirty", test_crash_dirty);
   add (s, "crash_dirty_nointent", test_crash_dirty_nointent);
+  add (s, "crash_writeback", test_crash_writeback);
+  add (s, "crash_writeback_nointent", test_crash_writeback_nointent);
+  add (s, "crash_writeback_export", test_crash_writeback_export);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);
   add (s, "stale_drop_crash", test_stale_drop_crash);
@@ -1340,6 +2247,8 @@ crash_suite (void)
   add (s, "invalidate_journal_choice", test_invalidate_journal_choice);
   add (s, "invalidate_captured_crash", test_invalidate_captured_crash);
   add (s, "fill_survives_crash", test_fill_survives_crash);
+  add (s, "writeback_order_crash", test_writeback_order_crash);
+  add (s, "fua_over_dirty_crash", test_fua_over_dirty_crash);
   return s;
 }
 
