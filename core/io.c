@@ -1512,8 +1512,9 @@ bcf_io_congested (struct bcf_io *io)
 {
   int64_t i;
 
-  if (!atomic_load_explicit (&io->cong_read_us, memory_order_relaxed) &&
-      !atomic_load_explicit (&io->cong_write_us, memory_order_relaxed))
+  /* Nothing remembered (the usual case): no clock read.  With
+   * congested >= 0, i below is >= 0 too. */
+  if (atomic_load_explicit (&io->congested, memory_order_relaxed) >= 0)
     return 0;
   /* bcache's bch_get_congested: the slowness decays by 1 per ~ms since
    * the last slow I/O; while some is left, the sectors from which a
