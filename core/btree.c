@@ -24,9 +24,12 @@
  *      count, so this step is O(nodes), never O(keys) (DESIGN.md I5: the
  *      lock is held for about 1 ms at 1M keys); seal the open journal
  *      entry (keys journalled from now on are not in this snapshot);
+ *      and note how many export changes the captured keys may rely on;
  *   2. without locks: encode and checksum the captured keys, flush the
- *      device (data before the keys that point at it), write the
- *      buffers, flush (children before parents);
+ *      export if any of those changes is not flushed yet (the export
+ *      barrier, cache.c: a clean key says the export has the data
+ *      durably), flush the device (data before the keys that point at
+ *      it), write the buffers, flush (children before parents);
  *   3. write the sealed entry, if it is not yet, as any other (the old
  *      root); then a journal entry carrying the new root and last_seq =
  *      the sealed entry + 1, and wait for it: from then on recovery
@@ -55,7 +58,9 @@
  * wherever recovery could bring a key back there (bcf_invalidate says
  * where that is); the journal is replayed in order on top of whatever
  * bsets reached the disk, so a clean key that survives recovery has no
- * journalled change after it and still equals the backing store (I2).
+ * journalled change after it and still equals the backing store (I2);
+ * and the export barrier (step 2) sees to it that the backing store has
+ * that data durably before any checkpoint makes the key durable.
  *
  * Locking: everything here runs under tree_lock (see engine.h), except
  * the I/O phase of the checkpoint, which works on private buffers.  Node
@@ -1420,7 +1425,8 @@ ckpt_free (struct ckpt *ck)
  * -EAGAIN (needs buckets; nothing was changed that matters). */
 static int
 snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
-          unsigned *root_level, uint64_t *last_seq, uint64_t *epoch)
+          unsigned *root_level, uint64_t *last_seq, uint64_t *epoch,
+          uint64_t *export_changes)
 {
   uint64_t t0;
   int r;
@@ -1461,6 +1467,9 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
     *root_level = c->tree.root->level;
     *last_seq = journal_seal_locked (c) + 1;
     *epoch = c->tree.epoch++;
+    /* Under the lock every fill and mark-clean takes: every captured
+     * clean key's export change is counted (export_barrier). */
+    *export_changes = export_changes_now (c);
     c->tree.leaf_inserts_captured = c->tree.leaf_inserts;
   }
   bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t0);
@@ -1481,14 +1490,20 @@ btree_checkpoint (struct bcf_cache *c)
   struct ckpt ck = { 0 };
   struct ckey root = { 0 };
   unsigned root_level = 0, level;
-  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns (), t1;
+  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns (), t1, changes = 0;
   size_t i, j;
   int r, tries = 0;
 
   if (c->failed)
     return -EIO;
-  while ((r = snapshot (c, &ck, &root, &root_level, &last_seq, &epoch))
-         == -EAGAIN && tries++ < 8) {
+  /* The export barrier first for what is known now, while a failure
+   * changes nothing: an export that cannot flush postpones the
+   * checkpoint, and the cache stays writable.  The one in phase 2 then
+   * only covers what completed since, and seldom has to flush. */
+  if ((r = export_barrier (c, export_changes_now (c))) < 0)
+    return r;
+  while ((r = snapshot (c, &ck, &root, &root_level, &last_seq, &epoch,
+                        &changes)) == -EAGAIN && tries++ < 8) {
     ckpt_free (&ck);
     memset (&ck, 0, sizeof ck);
     if ((r = alloc_refill_ckpt_locked (c)) < 0 && r != -ENOSPC)
@@ -1512,6 +1527,8 @@ btree_checkpoint (struct bcf_cache *c)
     r = encode_bset (c, &ck.w[i]);
   if (ck.nw)
     qsort (ck.w, ck.nw, sizeof *ck.w, cmp_level);
+  if (r == 0 && ck.nw)
+    r = export_barrier (c, changes);
   if (r == 0)
     r = bcf_io_flush (c->io);
   for (i = 0; i < ck.nw && r == 0; i = j) {

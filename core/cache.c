@@ -59,7 +59,11 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   c->backing_sectors = (uint64_t) size >> BCH_SECTOR_SHIFT;
   pthread_rwlock_init (&c->tree_lock, NULL);
   pthread_mutex_init (&c->ckpt_lock, NULL);
+  pthread_mutex_init (&c->export_lock, NULL);
   pthread_mutex_init (&c->stats.time_lock, NULL);
+  /* What the export acknowledged before this open may not be flushed
+   * yet: the first barrier with an export flushes it once. */
+  atomic_init (&c->export_changes, 1);
   gc_init (c);
   if ((r = intent_init (c)) < 0) {
     gc_free (c);
@@ -96,6 +100,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
   free (c);
   return r;
@@ -123,6 +128,7 @@ bcf_cache_close (struct bcf_cache *c)
   intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
   free (c);
   return r;
@@ -206,6 +212,7 @@ bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode)
   intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
   free (c);
   return r;
@@ -299,6 +306,62 @@ bcf_cache_set_congestion (struct bcf_cache *c, unsigned read_us,
   bcf_io_set_congestion (c->io, read_us, write_us);
 }
 
+void
+bcf_cache_set_export (struct bcf_cache *c, const struct bcf_backing *b)
+{
+  pthread_mutex_lock (&c->export_lock);
+  c->export = b;
+  pthread_mutex_unlock (&c->export_lock);
+}
+
+void
+bcf_cache_export_changed (struct bcf_cache *c)
+{
+  atomic_fetch_add_explicit (&c->export_changes, 1, memory_order_release);
+}
+
+uint64_t
+export_changes_now (struct bcf_cache *c)
+{
+  return atomic_load_explicit (&c->export_changes, memory_order_acquire);
+}
+
+/* Make every export change counted up to `changes` durable on the
+ * export (bcf_cache_set_export says why).  Why this order is enough: a
+ * change is counted after the export acknowledged it, and a key that
+ * relies on it is inserted (or marked clean) after that, under the tree
+ * lock; the checkpoint reads the count under the same lock when it
+ * captures the keys, so the count it passes here covers every change a
+ * captured key relies on.  The count read here before the flush is
+ * covered by the flush (the export acknowledged those changes before it
+ * was issued).  Concurrent barriers queue on export_lock, and the later
+ * one usually finds itself covered. */
+int
+export_barrier (struct bcf_cache *c, uint64_t changes)
+{
+  int r = 0;
+
+  pthread_mutex_lock (&c->export_lock);
+  if (c->export && c->export_flushed < changes) {
+    uint64_t now = export_changes_now (c);
+
+    r = c->export->ops->flush (c->export->opaque);
+    if (r == 0) {
+      c->export_flushed = now;
+      atomic_fetch_add (&c->stats.export_flushes, 1);
+    }
+    else {
+      atomic_fetch_add (&c->stats.export_flush_errors, 1);
+      bcf_log (c, BCF_LOG_ERROR, "flushing the export before a checkpoint "
+               "failed: %s; the checkpoint waits for the export (clean "
+               "keys are made durable only for data the export has "
+               "flushed)", strerror (-r));
+    }
+  }
+  pthread_mutex_unlock (&c->export_lock);
+  return r;
+}
+
 unsigned
 bcf_cache_congested (struct bcf_cache *c)
 {
@@ -355,6 +418,8 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->intent_clears = atomic_load (&c->stats.intent_clears);
   st->intent_dropped = atomic_load (&c->stats.intent_dropped);
   st->invalidates = atomic_load (&c->stats.invalidates);
+  st->export_flushes = atomic_load (&c->stats.export_flushes);
+  st->export_flush_errors = atomic_load (&c->stats.export_flush_errors);
   st->device_errors = atomic_load (&c->stats.device_errors);
   st->gc_passes = atomic_load (&c->stats.gc_passes);
   st->gc_slices = atomic_load (&c->stats.gc_slices);

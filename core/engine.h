@@ -345,6 +345,10 @@ uint64_t btree_count_dirty_sectors (struct bcf_cache *c);
 /* The checkpoint: write every dirty node and commit a new root through
  * the journal (caller holds ckpt_lock, no other lock). */
 int btree_checkpoint (struct bcf_cache *c);
+/* The export barrier (cache.c): the export's changes counted so far, and
+ * a flush of the export covering `changes` if none did yet. */
+uint64_t export_changes_now (struct bcf_cache *c);
+int export_barrier (struct bcf_cache *c, uint64_t changes);
 /* Encode a whole node / decode a node buffer (also used by fsck). */
 int btree_node_read (struct bcf_cache *c, struct btree_node *n, char *err,
                      size_t errlen);
@@ -551,6 +555,19 @@ struct bcf_cache {
   atomic_bool lost_logged;        /* bcf_cache_check_device said so */
   atomic_uint_fast64_t ckpt_done_ns;  /* bcf_now_ns of the last checkpoint
                                          that committed */
+  /* The export barrier (cache.c, export_barrier): a clean key says the
+   * export has the data durably, so a checkpoint flushes the export
+   * before it writes nodes holding clean keys of data the export may not
+   * have flushed yet.  export_changes counts the export's writes, trims
+   * and zeroes as they complete (bcf_cache_export_changed); export_flushed
+   * is the count a successful flush of `export` covered.  export_lock
+   * serialises the flushes (a second barrier waits for the first and
+   * usually finds it covered), held across that I/O and inside ckpt_lock
+   * only. */
+  atomic_uint_fast64_t export_changes;
+  uint64_t export_flushed;
+  const struct bcf_backing *export;
+  pthread_mutex_t export_lock;
   /* Foreground requests in the engine now, counted by request.c's entry
    * points (bcf_req_read, _write, _trim, ...) and read by GC's slice rule
    * (gc.c).  Sharded by thread, a cache line's worth each, so that
@@ -584,6 +601,7 @@ struct bcf_cache {
   struct {
     atomic_uint_fast64_t miss_collisions, read_races;
     atomic_uint_fast64_t inserts, invalidates, device_errors, dirty_inserts;
+    atomic_uint_fast64_t export_flushes, export_flush_errors;
     atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

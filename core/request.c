@@ -1244,11 +1244,23 @@ backing_pread (const struct bcf_backing *b, void *buf, uint64_t len,
   return b->ops->pread (b->opaque, buf, (uint32_t) len, offset);
 }
 
+/* Every change of the export is counted as soon as it completed (failed
+ * ones too: a failure may have changed part of the range), before
+ * anything marks or fills a clean key for it: the checkpoint's export
+ * barrier (bcf_cache_set_export) relies on the count. */
 static int
-backing_pwrite (const struct bcf_backing *b, const void *buf, uint64_t len,
-                uint64_t offset)
+export_changed (struct bcf_req *r, int rc)
 {
-  return b->ops->pwrite (b->opaque, buf, (uint32_t) len, offset, false);
+  bcf_cache_export_changed (r->c);
+  return rc;
+}
+
+static int
+backing_pwrite (struct bcf_req *r, const struct bcf_backing *b,
+                const void *buf, uint64_t len, uint64_t offset)
+{
+  return export_changed (r, b->ops->pwrite (b->opaque, buf, (uint32_t) len,
+                                            offset, false));
 }
 
 static int has_dirty (struct bcf_req *r, struct span s);
@@ -1734,7 +1746,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
-    return b->ops->pwrite (b->opaque, buf, count, offset, fua);
+    return export_changed (r, b->ops->pwrite (b->opaque, buf, count, offset,
+                                              fua));
 
   /* In pass-through nothing is inserted, and nothing counted as bypassed
    * (the stream table and the counters are the cache's). */
@@ -1792,7 +1805,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     return rc;
   }
   cached = rc == 1;
-  rc = b->ops->pwrite (b->opaque, data, (uint32_t) wlen, woff, fua); /* W3 */
+  rc = export_changed (r, b->ops->pwrite (b->opaque, data,       /* W3 */
+                                          (uint32_t) wlen, woff, fua));
   if (cached)                                                 /* W4 */
     complete_cache_write (r, &w, rc, dirty);
   bcf_bypass_end (r->tracker, &tok);                           /* W5 */
@@ -1840,7 +1854,7 @@ write_back_span (struct bcf_req *r, const struct bcf_backing *b,
         bool hit;
         if ((rc = read_span (r, b, (struct span) { a, a + len }, buf, true,
                              &hit)) == 0 &&
-            (rc = backing_pwrite (b, buf, len, a)) == 0)
+            (rc = backing_pwrite (r, b, buf, len, a)) == 0)
           wrote = true;
       }
       pos = z > pos ? z : pos;
@@ -1868,14 +1882,14 @@ change_range (struct bcf_req *r, const struct bcf_backing *b, uint32_t count,
   if (offset > r->size || count > r->size - offset)
     return -ERANGE;
   if (s.start >= s.end)         /* the uncached tail */
-    return fn (b, count, offset, arg);
+    return export_changed (r, fn (b, count, offset, arg));
   register_change (r, s, &tok);
   if (!cache_off (r) && span_dirty (r, s))
     rc = write_back_span (r, b, s);
   else
     rc = 0;
   if (rc == 0 && (rc = invalidate_durably (r, s.start, s.end - s.start)) == 0)
-    rc = fn (b, count, offset, arg);
+    rc = export_changed (r, fn (b, count, offset, arg));
   bcf_bypass_end (r->tracker, &tok);
   return rc;
 }

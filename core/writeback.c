@@ -231,6 +231,7 @@ write_run (struct bcf_writeback *wb, const struct bcf_extent *ext,
   }
   e = wb->b.ops->pwrite (wb->b.opaque, buf, (uint32_t) r->len, r->offset,
                          false);
+  bcf_cache_export_changed (wb->c);     /* the export barrier's count */
   if (e < 0)
     count (wb, &wb->st.backing_errors, 1);
   return e;

@@ -571,6 +571,9 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   ro.writeback_percent = cfg.writeback_percent;
   ro.writeback_delay = cfg.writeback_delay;
   ro.background = bk_background ();
+  /* The checkpoint's export barrier flushes through the background
+   * connection (bcf_cache_set_export), which outlives the cache. */
+  bcf_cache_set_export (cache, bk_background ());
   req = bcf_req_new (cache, &ro);
   if (!req) {
     nbdkit_error ("bcachefilter: out of memory");

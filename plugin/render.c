@@ -196,6 +196,9 @@ render_stats (FILE *fp, bool json, struct bcf_cache *cache,
   print_u64 (fp, json, "intent_clears", st.intent_clears, &first);
   print_u64 (fp, json, "intent_dropped", st.intent_dropped, &first);
   print_u64 (fp, json, "invalidates", st.invalidates, &first);
+  print_u64 (fp, json, "export_flushes", st.export_flushes, &first);
+  print_u64 (fp, json, "export_flush_errors", st.export_flush_errors,
+             &first);
   print_u64 (fp, json, "gc_passes", st.gc_passes, &first);
   print_u64 (fp, json, "gc_slices", st.gc_slices, &first);
   print_u64 (fp, json, "gc_nodes", st.gc_nodes, &first);

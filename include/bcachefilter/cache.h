@@ -458,6 +458,9 @@ struct bcf_cache_stats {
   uint64_t intent_dropped;       /* clean extents dropped at open in regions
                                     a crash left marked */
   uint64_t invalidates;          /* bcf_invalidate calls */
+  /* The export barrier (bcf_cache_set_export): flushes of the export a
+   * checkpoint made before writing clean keys, and those that failed. */
+  uint64_t export_flushes, export_flush_errors;
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;
@@ -490,6 +493,26 @@ void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);
  * defaults are 2000 and 20000; the filter sets them). */
 void bcf_cache_set_congestion (struct bcf_cache *c, unsigned read_us,
                                unsigned write_us);
+
+/* The export barrier.  A clean key says "the export has this data,
+ * durably", and a checkpoint makes the keys it writes survive a crash.
+ * Where the export has a volatile write cache (a NAS), data it has
+ * acknowledged but not flushed can be lost in a power cut of its own;
+ * a clean key for it made durable first would then serve data the
+ * export no longer has, and lose it for good once evicted.  So every
+ * checkpoint first flushes the export if any of its writes completed
+ * since the last such flush.  bcf_cache_set_export gives the export to
+ * flush (it must stay valid while the cache is open, or until replaced;
+ * NULL, the default: no barrier, for tools and caches whose export is
+ * durable on completion).  For the filter it is the background
+ * connection: its flush covers the other connections' writes where the
+ * export supports multi-conn.  Every write, trim or zero of the export
+ * is reported with bcf_cache_export_changed once it completed, before
+ * any key says the export has the result: the request layer (bcf_req_*)
+ * and the writeback thread do; a caller writing the export by other
+ * means must too. */
+void bcf_cache_set_export (struct bcf_cache *c, const struct bcf_backing *b);
+void bcf_cache_export_changed (struct bcf_cache *c);
 /* 0 if the cache device is not congested, else the stream size in
  * sectors from which requests should bypass it (bcache's
  * bch_get_congested, with its random jitter). */
