@@ -1284,6 +1284,53 @@ pick_mode (struct bcf_io *io, const struct bcf_io_opts *opts,
   return 0;
 }
 
+/* The fence against a previous writer's I/O.  The claim (core/claim.c)
+ * is a separate descriptor, and a process killed with I/O in flight
+ * closes it at once, while the kernel finishes that I/O afterwards: a
+ * killed process's io_uring requests are cancelled or completed by a
+ * kernel worker after the process is gone, and a buffered write already
+ * running there lands when it lands.  A restarted proxy that claimed the
+ * cache and read its journal meanwhile would have a late journal or node
+ * write of the dead process land over what it wrote itself.  So every
+ * writer also holds an OFD write lock (F_OFD_SETLK, independent of the
+ * claim's flock) on the descriptor its I/O uses: such a lock belongs to
+ * the open file description and goes away only when the last reference
+ * to it does, and every request in flight holds one.  Taking it waits
+ * until nothing of the previous writer's can touch the device any more.
+ * Filesystems without locks (ENOLCK, EINVAL) have no fence. */
+#define FENCE_WAIT_MS 60000
+
+static int
+fence_previous_writer (struct bcf_io *io, char *err, size_t errlen)
+{
+  struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+  unsigned waited = 0;
+
+  for (;;) {
+    if (fcntl (io->fd, F_OFD_SETLK, &fl) == 0)
+      break;
+    if (errno == ENOLCK || errno == EINVAL)
+      return 0;
+    if (errno != EAGAIN && errno != EACCES) {
+      set_err (err, errlen, "cannot lock %s: %s", io->path, strerror (errno));
+      return -errno;
+    }
+    if (waited >= FENCE_WAIT_MS) {
+      set_err (err, errlen, "%s: the I/O of a previous process on this "
+               "cache has not finished after %u s (a process stuck in the "
+               "kernel? see the processes that have it open: fuser %s)",
+               io->path, FENCE_WAIT_MS / 1000, io->path);
+      return -EBUSY;
+    }
+    usleep (10000);
+    waited += 10;
+  }
+  if (waited)
+    add_notice (io, "waited %u ms for the writes of a previous process on "
+                "%s to finish", waited, io->path);
+  return 0;
+}
+
 int
 bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
              char *err, size_t errlen)
@@ -1337,6 +1384,8 @@ bcf_io_open (const struct bcf_io_opts *opts, struct bcf_io **iop,
              bcf_claim_path (io->claim));
     r = -ESTALE;
   }
+  if (r == 0 && !io->readonly)
+    r = fence_previous_writer (io, err, errlen);
   if (r == 0)
     r = probe_geometry (io, opts, err, errlen);
   if (r == 0)

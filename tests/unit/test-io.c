@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -653,6 +654,65 @@ START_TEST (test_open_errors)
     free (expect);
     remove_file (path);
   }
+}
+END_TEST
+
+/* The fence (io.c, fence_previous_writer): a previous writer's I/O
+ * descriptor that is still referenced (a killed process's requests in
+ * flight hold it, after the process and its claim are gone) holds the
+ * OFD lock its open took; here the test holds such a descriptor itself,
+ * with a write that "lands late", just before it lets go.  A new writer
+ * must wait for it, and only then start: it sees the late write. */
+struct fence_ctx {
+  const char *path;
+  atomic_bool released;
+  bool released_at_open;
+  char notice[512];
+  uint8_t first;
+};
+
+static void *
+fence_opener (void *arg)
+{
+  struct fence_ctx *f = arg;
+  struct bcf_io_opts o = { .path = f->path };
+  struct bcf_io *io = open_opts (&o);
+  uint8_t *b = bcf_buf_alloc (4096);
+
+  f->released_at_open = atomic_load (&f->released);
+  snprintf (f->notice, sizeof f->notice, "%s",
+            bcf_io_notice (io) ? bcf_io_notice (io) : "");
+  ck_assert_int_eq (bcf_io_pread (io, b, 4096, 0), 0);
+  f->first = b[0];
+  bcf_buf_free (b, 4096);
+  bcf_io_close (io);
+  return NULL;
+}
+
+START_TEST (test_fence_previous_writer)
+{
+  char *path = make_file (MiB);
+  struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+  struct fence_ctx f = { .path = path };
+  uint8_t late[4096];
+  pthread_t t;
+  int fd = open (path, O_RDWR);
+
+  ck_assert_int_ge (fd, 0);
+  ck_assert_int_eq (fcntl (fd, F_OFD_SETLK, &fl), 0);
+  ck_assert_int_eq (pthread_create (&t, NULL, fence_opener, &f), 0);
+  usleep (200000);
+  memset (late, 0x5a, sizeof late);
+  ck_assert_int_eq (pwrite (fd, late, sizeof late, 0), (ssize_t) sizeof late);
+  atomic_store (&f.released, true);
+  close (fd);
+  ck_assert_int_eq (pthread_join (t, NULL), 0);
+  ck_assert_msg (f.released_at_open, "the open did not wait for the "
+                 "previous writer's descriptor");
+  ck_assert_uint_eq (f.first, 0x5a);
+  ck_assert_msg (strstr (f.notice, "previous process") != NULL, "notice: %s",
+                 f.notice);
+  remove_file (path);
 }
 END_TEST
 
@@ -1325,6 +1385,7 @@ io_suite (void)
   tcase_add_test (tc, test_direct_filesystems);
   tcase_add_loop_test (tc, test_direct_refused, 0, 2);
   tcase_add_test (tc, test_open_errors);
+  tcase_add_test (tc, test_fence_previous_writer);
   tcase_add_test (tc, test_modes);
   tcase_add_loop_test (tc, test_threads, 0, 2);
   tcase_add_test (tc, test_fork);
