@@ -61,9 +61,15 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   pthread_mutex_init (&c->ckpt_lock, NULL);
   pthread_mutex_init (&c->export_lock, NULL);
   pthread_mutex_init (&c->stats.time_lock, NULL);
-  /* What the export acknowledged before this open may not be flushed
-   * yet: the first barrier with an export flushes it once. */
-  atomic_init (&c->export_changes, 1);
+  /* Counted from 0: a process that ends cleanly leaves nothing
+   * unflushed (its close's checkpoint passed the barrier).  One killed
+   * may have: writes its clients never flushed, which this process could
+   * fill and make durable as clean keys before anything flushes the
+   * export.  Such writes were never promised durable; the window closes
+   * at the first flush of the export by a client or the writeback, and
+   * counting them here would open the background connection at every
+   * start (with the nbd plugin, an error line each time). */
+  atomic_init (&c->export_changes, 0);
   gc_init (c);
   if ((r = intent_init (c)) < 0) {
     gc_free (c);
@@ -324,6 +330,21 @@ uint64_t
 export_changes_now (struct bcf_cache *c)
 {
   return atomic_load_explicit (&c->export_changes, memory_order_acquire);
+}
+
+uint64_t
+bcf_cache_export_changes (struct bcf_cache *c)
+{
+  return export_changes_now (c);
+}
+
+void
+bcf_cache_export_flushed (struct bcf_cache *c, uint64_t changes)
+{
+  pthread_mutex_lock (&c->export_lock);
+  if (changes > c->export_flushed)
+    c->export_flushed = changes;
+  pthread_mutex_unlock (&c->export_lock);
 }
 
 /* Make every export change counted up to `changes` durable on the

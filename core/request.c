@@ -1255,6 +1255,19 @@ export_changed (struct bcf_req *r, int rc)
   return rc;
 }
 
+/* A flush of the export: it covers every change counted before it was
+ * issued, so the checkpoint's barrier need not flush for them again. */
+static int
+export_flush (struct bcf_req *r, const struct bcf_backing *b)
+{
+  uint64_t changes = bcf_cache_export_changes (r->c);
+  int rc = b->ops->flush (b->opaque);
+
+  if (rc == 0)
+    bcf_cache_export_flushed (r->c, changes);
+  return rc;
+}
+
 static int
 backing_pwrite (struct bcf_req *r, const struct bcf_backing *b,
                 const void *buf, uint64_t len, uint64_t offset)
@@ -1862,7 +1875,7 @@ write_back_span (struct bcf_req *r, const struct bcf_backing *b,
   }
   free (buf);
   if (rc == 0 && wrote)
-    rc = b->ops->flush (b->opaque);
+    rc = export_flush (r, b);
   return rc;
 }
 
@@ -1920,7 +1933,7 @@ bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
 
   /* The backing trim has no FUA of its own in the ops: flush. */
   if (rc == 0 && fua)
-    rc = b->ops->flush (b->opaque);
+    rc = export_flush (r, b);
   return rc;
 }
 
@@ -1933,7 +1946,7 @@ bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
   int rc = change_range (r, b, count, offset + r->offset, call_zero, &z);
 
   if (rc == 0 && fua)
-    rc = b->ops->flush (b->opaque);
+    rc = export_flush (r, b);
   return rc;
 }
 
@@ -1941,7 +1954,7 @@ int
 bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   IN_FLIGHT (r);
-  int rc = b->ops->flush (b->opaque);
+  int rc = export_flush (r, b);
 
   bcf_req_drain (r);
 
