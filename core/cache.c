@@ -279,6 +279,12 @@ bcf_cache_log (struct bcf_cache *c, enum bcf_log_level level,
 }
 
 uint64_t
+bcf_cache_capacity_bytes (const struct bcf_cache *c)
+{
+  return (uint64_t) c->sb.nbuckets * c->bucket_bytes;
+}
+
+uint64_t
 bcf_cache_dirty_bytes (struct bcf_cache *c)
 {
   /* Written under tree_lock; a racy read is only a moment old. */

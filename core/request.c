@@ -548,11 +548,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->offset = o->offset;
   r->size = bcf_cache_backing_size (c);
   r->cache_end = r->size / r->block * r->block;
-  {
-    struct bcf_cache_stats cs;
-    bcf_cache_stats (c, &cs);
-    r->capacity_bytes = cs.nbuckets * cs.bucket_bytes;
-  }
+  r->capacity_bytes = bcf_cache_capacity_bytes (c);
   r->error_limit = o->error_limit ? o->error_limit : DEFAULT_ERROR_LIMIT;
   pthread_mutex_init (&r->error_lock, NULL);
   pthread_mutex_init (&r->wb_hand_lock, NULL);

@@ -516,7 +516,6 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
                    const struct bcf_backing *b, bool drain)
 {
   struct bcf_writeback *wb = calloc (1, sizeof *wb);
-  struct bcf_cache_stats cs;
 
   if (!wb)
     return NULL;
@@ -527,8 +526,7 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
     .writeback = !drain, .running = true, .percent = 10, .delay_s = 30,
     .update_seconds = BCF_WB_UPDATE_SECONDS,
   };
-  bcf_cache_stats (c, &cs);
-  wb->capacity_sectors = cs.nbuckets * (cs.bucket_bytes >> 9);
+  wb->capacity_sectors = bcf_cache_capacity_bytes (c) >> 9;
   bcf_wb_pi_init (&wb->pi, bcf_now_ns ());
   pthread_mutex_init (&wb->lock, NULL);
   bcf_cond_init_monotonic (&wb->wake);

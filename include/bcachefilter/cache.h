@@ -234,6 +234,9 @@ const struct bch_sb *bcf_cache_super (const struct bcf_cache *c);
 const char *bcf_cache_io_name (const struct bcf_cache *c);
 bool bcf_cache_io_direct (const struct bcf_cache *c);
 uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
+/* Bytes the cache's buckets hold, metadata included: what
+ * writeback_percent and the writeback cutoffs are shares of. */
+uint64_t bcf_cache_capacity_bytes (const struct bcf_cache *c);
 /* Bytes of dirty data the cache holds (a counter: no walk). */
 uint64_t bcf_cache_dirty_bytes (struct bcf_cache *c);
 /* Has the cache device changed under us: become shorter than at open,
