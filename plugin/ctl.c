@@ -139,6 +139,7 @@
 #include <sys/types.h>
 #include <sys/un.h>
 
+#include "bcachefilter/request.h"
 #include "ctl.h"
 
 #define CTL_MAX_LINE    4096    /* bytes, including the newline */
@@ -476,17 +477,13 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
   char err[CTL_ERR_MAX] = "";
   char num[32], q[CTL_QUOTE_MAX + 8];
 
-  /* cache_mode is passed on as it is: the filter's parser is the one
-   * place that knows the modes (and why writeback is refused). */
-  if (strcmp (name, "cache_mode") == 0 ||
-      strcmp (name, "sequential_bypass") == 0)
+  const struct bcf_setting *st = bcf_setting_find (name);
+
+  /* Words are passed on as they are: the filter's parsers are the one
+   * place that knows the modes and policies. */
+  if (st && st->value == BCF_SETTING_WORD)
     ;
-  else if (strcmp (name, "congested_read_threshold_us") == 0 ||
-           strcmp (name, "congested_write_threshold_us") == 0 ||
-           strcmp (name, "writeback_percent") == 0 ||
-           strcmp (name, "writeback_delay") == 0 ||
-           strcmp (name, "writeback_running") == 0 ||
-           strcmp (name, "writeback_rate_update_seconds") == 0) {
+  else if (st && st->value == BCF_SETTING_NUMBER) {
     uint64_t n;
 
     if (!parse_size (value, &n) || n > UINT32_MAX ||
@@ -496,12 +493,12 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
       return;
     }
   }
-  else if (strcmp (name, "sequential_cutoff") == 0) {
+  else if (st && st->value == BCF_SETTING_SIZE) {
     uint64_t bytes;
 
     if (!parse_size (value, &bytes)) {
-      reply_error (r, "invalid sequential_cutoff '%s': give a size in "
-                   "bytes, optionally with a k, M or G suffix (0 disables)",
+      reply_error (r, "invalid %s '%s': give a size in bytes, optionally "
+                   "with a k, M or G suffix (0 disables)", name,
                    quote (value, q, sizeof q));
       return;
     }
@@ -509,12 +506,8 @@ run_set (struct reply *r, const struct bcf_ctl_ops *ops,
     value = num;
   }
   else {
-    reply_error (r, "unknown setting '%s': valid settings are cache_mode, "
-                 "sequential_cutoff, sequential_bypass, "
-                 "congested_read_threshold_us, congested_write_threshold_us, "
-                 "writeback_percent, writeback_delay, writeback_running and "
-                 "writeback_rate_update_seconds",
-                 quote (name, q, sizeof q));
+    reply_error (r, "unknown setting '%s': valid settings are %s",
+                 quote (name, q, sizeof q), bcf_setting_names ());
     return;
   }
 

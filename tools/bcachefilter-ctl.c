@@ -49,6 +49,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include "bcachefilter/request.h"
+
 #define PROGRAM_NAME "bcachefilter-ctl"
 #define SOCKET_ENV   "BCACHEFILTER_CTL"
 
@@ -149,23 +151,6 @@ is_json (const char *arg)
 
 /* Check the command words; on success the words to send are
  * args[0..nargs), with args[0] possibly rewritten (trigger-gc). */
-/* The settings the filter takes (plugin/ctl.c checks their values). */
-static bool
-is_setting (const char *name)
-{
-  static const char *const names[] = {
-    "cache_mode", "sequential_cutoff", "sequential_bypass",
-    "congested_read_threshold_us", "congested_write_threshold_us",
-    "writeback_percent", "writeback_delay", "writeback_running",
-    "writeback_rate_update_seconds", NULL,
-  };
-
-  for (const char *const *n = names; *n; n++)
-    if (strcmp (name, *n) == 0)
-      return true;
-  return false;
-}
-
 static int
 check_command (int nargs, char **args)
 {
@@ -180,13 +165,9 @@ check_command (int nargs, char **args)
     if (nargs != 3)
       return usage_error ("usage: set cache_mode MODE, or set "
                           "sequential_cutoff SIZE");
-    if (!is_setting (args[1]))
+    if (!bcf_setting_find (args[1]))
       return usage_error ("set: unknown setting '%s': valid settings are "
-                          "cache_mode, sequential_cutoff, sequential_bypass, "
-                          "congested_read_threshold_us, "
-                          "congested_write_threshold_us, writeback_percent, "
-                          "writeback_delay, writeback_running and "
-                          "writeback_rate_update_seconds", args[1]);
+                          "%s", args[1], bcf_setting_names ());
     return -1;
   }
   if (strcmp (cmd, "writeback_flush") == 0 ||

@@ -114,6 +114,24 @@ enum bcf_sequential_bypass bcf_req_sequential_bypass (struct bcf_req *r);
 /* "auto" or "always" (bcache's), and back: -1 for another name. */
 int bcf_sequential_bypass_parse (const char *name);
 const char *bcf_sequential_bypass_name (enum bcf_sequential_bypass p);
+/* The settings a running cache takes by name (bcache's sysfs names:
+ * bcachefilter-ctl set, the filter's control socket), and the form of
+ * their values: a word (cache_mode, sequential_bypass), a whole number
+ * (the thresholds and writeback knobs), or a size in bytes with an
+ * optional k, M or G suffix (sequential_cutoff).  The one list: the
+ * control protocol, the filter and the ctl tool all look names up here. */
+enum bcf_setting_value {
+  BCF_SETTING_WORD, BCF_SETTING_NUMBER, BCF_SETTING_SIZE,
+};
+struct bcf_setting {
+  const char *name;
+  enum bcf_setting_value value;
+};
+/* The setting of that name, or NULL. */
+const struct bcf_setting *bcf_setting_find (const char *name);
+/* Every name, as "a, b, ... and z", for messages. */
+const char *bcf_setting_names (void);
+
 /* Writeback knobs (bcache's names): writeback_percent 0..100,
  * writeback_delay seconds, writeback_running, writeback_rate_update_seconds
  * 1..60.  Return 0 or -EINVAL (a value out of range), -ENOTSUP (no
