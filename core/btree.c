@@ -1506,6 +1506,13 @@ btree_checkpoint (struct bcf_cache *c)
                         &changes)) == -EAGAIN && tries++ < 8) {
     ckpt_free (&ck);
     memset (&ck, 0, sizeof ck);
+    /* Each refill commits a prio write through the journal, and the
+     * reserve holds one (journal.c): never take the room this
+     * checkpoint's own sealed entry and commit need, or the ring can
+     * fill up with no way to commit (and, after a crash, no room for
+     * the next open's commits). */
+    if (!journal_room (c, 3))
+      break;
     if ((r = alloc_refill_ckpt_locked (c)) < 0 && r != -ENOSPC)
       return r;
   }

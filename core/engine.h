@@ -442,6 +442,8 @@ void journal_replay_done (struct bcf_cache *c);
 /* Would an ordinary entry (not a checkpoint or prio commit) fail to find
  * room while keeping the reserve?  Then commit the btree first. */
 bool journal_tight (struct bcf_cache *c);
+/* Is there room for n more maximum-size entries, reserve included? */
+bool journal_room (struct bcf_cache *c, unsigned n);
 /* How full the ring is (0..100). */
 unsigned journal_used_percent (struct bcf_cache *c);
 

@@ -229,6 +229,18 @@ journal_place (struct bcf_cache *c, size_t len, bool meta,
 }
 
 bool
+journal_room (struct bcf_cache *c, unsigned n)
+{
+  struct journal *j = &c->journal;
+  bool room;
+
+  pthread_mutex_lock (&j->lock);
+  room = slots_from (c, j->cur, j->cur_offset, n) >= n;
+  pthread_mutex_unlock (&j->lock);
+  return room;
+}
+
+bool
 journal_tight (struct bcf_cache *c)
 {
   struct journal *j = &c->journal;

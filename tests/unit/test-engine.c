@@ -405,6 +405,78 @@ START_TEST (test_intent_feature_bit)
 }
 END_TEST
 
+/* A crash in the middle of a checkpoint that the journal's reserve was
+ * paying for: ordinary entries fill the ring up to the reserve, metadata
+ * commits (a checkpoint's prio writes and sealed entry) use all of it
+ * but one block, and the power goes before the commit.  A region is
+ * marked, so the next open has three commits to make (its prio write,
+ * the entry sealing the marks' clears, the commit of its checkpoint)
+ * where there is room for one.  It must commit the replayed tree first,
+ * and lose nothing (the writeback soak, TEST_SEED=40342:
+ * "writing prio buckets failed: No space left on device" at every open
+ * after it). */
+START_TEST (test_open_after_crash_in_reserve)
+{
+  struct fixture f;
+  struct bcf_write w;
+  uint8_t *data = malloc (BLOCK), *back = malloc (BLOCK);
+  struct bcf_extent e;
+  uint64_t n = 1;
+  unsigned got;
+
+  fixture_init (&f, "reserve.img", 32 << 20, 4 << 20, 16);
+  f.opts.direct_off = true;             /* the crash model works on files */
+  fixture_open (&f);
+  /* Block 0: cached, then written over: its region is marked. */
+  memset (data, 0, BLOCK);
+  ck_assert_int_eq (bcf_insert (f.c, 0, BLOCK, data, false, true), 0);
+  ck_assert_int_eq (bcf_write_begin (f.c, 0, BLOCK, data, &w), 0);
+  ck_assert (w.intent);
+  ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), BLOCK);
+  bcf_write_release (f.c, &w);
+  ck_assert_uint_eq (intent_marked (f.c), 1);
+  while (!journal_tight (f.c)) {        /* an entry per durable insert */
+    memset (data, (int) (n & 0xff), BLOCK);
+    ck_assert_int_eq (bcf_insert (f.c, (16 << 20) + n * BLOCK, BLOCK, data,
+                                  false, true), 0);
+    n++;
+    ck_assert_uint_lt (n, 4096);
+  }
+  while (journal_room (f.c, 2))
+    ck_assert_int_eq (journal_meta (f.c), 0);
+  /* ... and the rest of the bucket being written, and one entry of the
+   * last free bucket: room for one entry of one block is left. */
+  while (f.c->journal.cur_offset > 0 && f.c->journal.cur_offset < 16 * 512)
+    ck_assert_int_eq (journal_meta (f.c), 0);
+  ck_assert_int_eq (journal_meta (f.c), 0);
+  ck_assert_uint_eq (f.c->journal.cur_offset, BLOCK);
+  ck_assert (!journal_room (f.c, 1));
+  bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  f.c = NULL;
+
+  fixture_open (&f);
+  /* Block 0's write is back dirty (its clean mark was never
+   * journalled), the marks are recovered and cleared. */
+  ck_assert_int_eq (bcf_lookup (f.c, 0, BLOCK, &e, 1, &got), 0);
+  ck_assert (got == 1 && e.kind == BCF_EXTENT_HIT && e.dirty);
+  ck_assert_uint_eq (intent_marked (f.c), 0);
+  for (uint64_t i = 1; i < n; i++) {
+    ck_assert_int_eq (bcf_lookup (f.c, (16 << 20) + i * BLOCK, BLOCK, &e, 1,
+                                  &got), 0);
+    ck_assert_msg (got == 1 && e.kind == BCF_EXTENT_HIT, "block %" PRIu64
+                   " of %" PRIu64 " lost", i, n);
+    ck_assert_int_eq (bcf_read_hit (f.c, &e, back), 0);
+    memset (data, (int) (i & 0xff), BLOCK);
+    ck_assert (memcmp (data, back, BLOCK) == 0);
+  }
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_close (&f);
+  free (data);
+  free (back);
+  fixture_free (&f);
+}
+END_TEST
+
 /* The cache-miss protocol: an invalidation between begin and fill makes
  * the fill collide, and nothing is cached. */
 START_TEST (test_miss_collision)
@@ -1883,6 +1955,7 @@ engine_suite (void)
   add (s, "abandon_then_reuse", test_abandon_then_reuse);
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "intent_feature_bit", test_intent_feature_bit);
+  add (s, "open_after_crash_in_reserve", test_open_after_crash_in_reserve);
   {
     TCase *tc = tcase_create ("clean_close_keeps_clean_marks");
     tcase_add_loop_test (tc, test_clean_close_keeps_clean_marks, 0, 2);
