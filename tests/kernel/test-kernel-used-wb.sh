@@ -13,8 +13,9 @@
 #     its data region lacks the writes, and every sector it lacks is in
 #     a dirty key: the device with the cache's dirty data laid over it
 #     is exactly what the client wrote.
-#  3. The kernel registers the device (its superblock must read dirty)
-#     and then the cache: it attaches the pair and reads /dev/bcache0
+#  3. The kernel registers the device (its superblock must read dirty,
+#     and no /dev/bcache0 appear without the cache set) and then the
+#     cache: it attaches the pair and reads /dev/bcache0
 #     whole while its writeback starts at bcache's first rate (most of
 #     the dirty data is still dirty when the read ends, and the device
 #     lacks it: read from the cache), then writes back at full speed,
@@ -102,6 +103,8 @@ vm_boot vm "$kerneldir/vm-cache.sh" "$d/vmcache.img" "$img" "$d/dump.img"
 vm_report vm
 vm_said vm "bdev-waiting dirty" ||
     fail "the kernel does not read the device's superblock as dirty"
+vm_said vm "bcache0-before-cache absent" ||
+    fail "the kernel ran the dirty device without its cache set"
 vm_said vm "cset-appeared $set" || fail "the kernel did not register the cache"
 vm_said vm "attached" || fail "the kernel did not attach the backing device"
 test "$(vm_value vm bcache0-sectors)" = $((data / 512)) ||

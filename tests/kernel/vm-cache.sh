@@ -52,6 +52,9 @@ if [ "$WRITEBACK" = 1 ]; then
   D=/sys/block/${BDEV#/dev/}/bcache
   waitfor "[ -e $D/writeback_delay ]" 100 || { echo "RESULT no-bdev"; exit 1; }
   echo "RESULT bdev-waiting $(cat $D/state)"
+  usleep 300000
+  [ -e /sys/block/bcache0 ] && echo "RESULT bcache0-before-cache present" ||
+    echo "RESULT bcache0-before-cache absent"
   echo 0 > $D/writeback_delay
 fi
 
