@@ -20,8 +20,13 @@
 #     attached to another set (clean) or detached: the filter serves what
 #     the image holds, not its old cached copy, and attaches it again.
 #  5. A device that another cache set holds dirty data for is refused,
-#     and a new cache file is not formatted for it; one this cache holds
-#     dirty data for too (the filter does not write back yet).
+#     and a new cache file gets no keys for it.  One that this cache's
+#     own set holds dirty data for (a kernel's writeback cache, or ours)
+#     is served: with nothing dirty in the cache, it is made clean at
+#     once; switched to writeback, it is marked dirty before the first
+#     dirty write and stays dirty across a clean stop; a writethrough
+#     restart serves that dirty data, writes it back to the device and
+#     marks the device clean.
 #  6. bcachefilter-ctl detach does what the kernel's detach does: the
 #     dirty data reaches the device, whose superblock then names no cache
 #     set (state none); the next start attaches it afresh, serving what

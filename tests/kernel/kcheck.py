@@ -13,10 +13,12 @@
 #       leave the last ones half done); reads are checked against the
 #       mirror.  --verify reads everything once more at the end (so most
 #       of it is cached).  Prints a JSON summary; exits 1 on a mismatch.
-#   kcheck.py cached BTREE_JSON --sectors N [--inode I] [--shift D] --out F
+#   kcheck.py cached BTREE_JSON --sectors N [--inode I] [--shift D]
+#             [--dirty] --out F
 #       the sectors a cache holds data for, from bcachefilter-show --btree
 #       -v --json, as client sectors (key sector - D, clipped to
-#       [0, N)): a JSON list of [start, end) runs
+#       [0, N)): a JSON list of [start, end) runs.  --dirty: only those
+#       of dirty keys (data the backing device may not have)
 #   kcheck.py dirty-overlay BTREE_JSON CACHE IMG --sectors N [--shift D]
 #       write into IMG (client sectors) the cache's data of every dirty
 #       key: where the cache holds dirty data, it, not the backing store,
@@ -42,6 +44,10 @@
 #       else as the backing copy the kernel left (--after); prints how
 #       many sectors of each kind, and how many must come from the cache
 #       (they differ from --after)
+#   kcheck.py differ A B [--cached F]
+#       how many 512-byte sectors of files A and B (the same size) differ;
+#       with --cached (a list from `cached`), also how many of those lie
+#       outside its runs.  Prints JSON
 #   kcheck.py dump URI OUT
 #       read a whole export into OUT, 64 KiB at a time in shuffled order
 #
@@ -148,7 +154,8 @@ def leaf_keys(btree, inode, shift, sectors):
 
 def cmd_cached(a):
     j = json.load(open(a.btree))
-    runs = [[s, e] for _, s, e in leaf_keys(j, a.inode, a.shift, a.sectors)]
+    runs = [[s, e] for k, s, e in leaf_keys(j, a.inode, a.shift, a.sectors)
+            if k["dirty"] or not a.dirty]
     runs.sort()
     merged = []
     for s, e in runs:
@@ -261,6 +268,31 @@ def cmd_roundtrip(a):
     print(json.dumps(st))
 
 
+def cmd_differ(a):
+    st = {"sectors": 0, "differ": 0}
+    bm = None
+    if a.cached:
+        n = os.path.getsize(a.a) // SECTOR
+        bm = cached_bitmap(load_cached(a.cached), n)
+        st["differ_outside"] = 0
+    with open(a.a, "rb") as fa, open(a.b, "rb") as fb:
+        x = 0
+        while True:
+            ba, bb = fa.read(1 << 20), fb.read(1 << 20)
+            if len(ba) != len(bb):
+                sys.exit("kcheck: the files differ in size")
+            if not ba:
+                break
+            for i in range(0, len(ba) if ba != bb else 0, SECTOR):
+                if ba[i:i + SECTOR] != bb[i:i + SECTOR]:
+                    st["differ"] += 1
+                    if bm is not None and not bm[x + i // SECTOR]:
+                        st["differ_outside"] += 1
+            x += len(ba) // SECTOR
+        st["sectors"] = x
+    print(json.dumps(st))
+
+
 def cmd_dump(a):
     import nbd
     h = nbd.NBD()
@@ -297,6 +329,7 @@ def main():
     s.add_argument("btree"); s.add_argument("--sectors", type=int, required=True)
     s.add_argument("--inode", type=int, default=0)
     s.add_argument("--shift", type=int, default=0)
+    s.add_argument("--dirty", action="store_true")
     s.add_argument("--out", required=True)
     s.set_defaults(f=cmd_cached)
     s = sp.add_parser("dirty-overlay")
@@ -321,6 +354,9 @@ def main():
     for o in ("--first", "--final", "--orig", "--after", "--out", "--kwrites"):
         s.add_argument(o, required=True)
     s.set_defaults(f=cmd_roundtrip)
+    s = sp.add_parser("differ")
+    s.add_argument("a"); s.add_argument("b"); s.add_argument("--cached")
+    s.set_defaults(f=cmd_differ)
     s = sp.add_parser("dump")
     s.add_argument("uri"); s.add_argument("out")
     s.set_defaults(f=cmd_dump)

@@ -14,6 +14,18 @@
 #   KWRITES=1               write /data/pat at the "OFFSET LENGTH" lines of
 #                           /data/kwrites (writethrough), read them back
 #   GC=1                    trigger a GC pass in each set
+#   WRITEBACK=1             BDEV's superblock says the first cache set holds
+#                           dirty data for it: it is registered before the
+#                           caches, so that its writeback_delay is 0 from
+#                           the attach on (the clean mark follows the last
+#                           write at once; writeback_running can only be
+#                           set once attached).  The writeback runs at
+#                           bcache's starting rate meanwhile, so that the
+#                           DUMP reads most of the dirty data before it is
+#                           written back; then, at full speed
+#                           (writeback_percent 0), the script waits until
+#                           the kernel has written everything back and
+#                           marked the device clean
 #   REFUSE="DEV:CSET"       (optional) a cache the kernel must refuse to
 #                           register (the filter's write-intent bit);
 #                           registered first, and never attached
@@ -30,6 +42,20 @@ if [ -n "$REFUSE" ]; then
   usleep 500000
   if [ -d $S/$set ]; then echo "RESULT refused-registered $set"
   else echo "RESULT refused-refused $set"; fi
+fi
+
+if [ "$WRITEBACK" = 1 ]; then
+  # Before its cache set: the device waits for it (state "no cache"),
+  # its knobs already there (/sys/block/vdX/bcache).
+  echo "== register backing $BDEV (dirty: before its cache set)"
+  echo $BDEV > $S/register || echo "register $BDEV: write failed"
+  D=/sys/block/${BDEV#/dev/}/bcache
+  waitfor "[ -e $D/writeback_delay ]" 100 || { echo "RESULT no-bdev"; exit 1; }
+  echo "RESULT bdev-waiting $(cat $D/state)"
+  usleep 300000
+  [ -e /sys/block/bcache0 ] && echo "RESULT bcache0-before-cache present" ||
+    echo "RESULT bcache0-before-cache absent"
+  echo 0 > $D/writeback_delay
 fi
 
 for c in $CACHES; do
@@ -50,8 +76,10 @@ first=${CACHES%% *}
 first=${first#*:}
 
 if [ -n "$BDEV" ]; then
-  echo "== register backing $BDEV"
-  echo $BDEV > $S/register || echo "register $BDEV: write failed"
+  if [ "$WRITEBACK" != 1 ]; then
+    echo "== register backing $BDEV"
+    echo $BDEV > $S/register || echo "register $BDEV: write failed"
+  fi
   waitfor '[ -e /sys/block/bcache0/bcache/state ]' 100 ||
     { echo "RESULT no-bcache0"; exit 1; }
   B=/sys/block/bcache0/bcache
@@ -61,6 +89,11 @@ if [ -n "$BDEV" ]; then
     echo "RESULT not-attached $(cat $B/state)"; exit 1
   fi
   echo "RESULT bcache0-sectors $(cat /sys/block/bcache0/size)"
+  echo "RESULT dirty-data-at-attach $(cat $B/dirty_data)"
+  if [ "$WRITEBACK" = 1 ]; then
+    echo "  writeback_running $(cat $B/writeback_running)"
+    echo 1 > $B/writeback_running
+  fi
   echo 0 > $B/sequential_cutoff
   if [ -n "$DUMP" ]; then
     echo none > $B/cache_mode
@@ -86,6 +119,15 @@ if [ "$GC" = 1 ]; then
     echo "  after GC: btree nodes $(cat $S/$set/internal/btree_nodes)," \
          "root usage $(cat $S/$set/root_usage_percent)%"
   done
+fi
+
+if [ "$WRITEBACK" = 1 ]; then
+  echo "RESULT dirty-data-before-writeback $(cat $B/dirty_data)"
+  echo "== wait for the writeback at full speed: state clean"
+  echo 0 > $B/writeback_percent
+  if waitfor '[ "$(cat $B/state)" = clean ]' 1200; then echo "RESULT wb-clean"
+  else echo "RESULT wb-not-clean $(cat $B/state)"; fi
+  echo "RESULT dirty-data-after $(cat $B/dirty_data)"
 fi
 
 echo "== stop"

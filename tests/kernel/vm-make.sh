@@ -6,7 +6,11 @@
 # backing device's data, then a hit), and stop cleanly without detaching
 # (a detach would drop the cached data).
 #
-# /data/params (sourced): CSET=<the set uuid of /dev/vda>
+# /data/params (sourced):
+#   CSET=<the set uuid of /dev/vda>
+#   WRITEBACK=1   (optional) the writes in cache_mode writeback with
+#                 writeback_running 0: they stay dirty in the cache, and
+#                 the stop leaves the device's superblock dirty
 . /vm-lib.sh
 . /data/params
 S=/sys/fs/bcache
@@ -30,7 +34,13 @@ echo $CSET > $B/attach || echo "attach: write failed"
 if waitfor '[ -e $B/cache ]' 100; then echo "RESULT attached $(cat $B/state)"
 else echo "RESULT not-attached $(cat $B/state)"; exit 1; fi
 echo 0 > $B/sequential_cutoff
-echo writethrough > $B/cache_mode
+if [ "$WRITEBACK" = 1 ]; then
+  echo 0 > $B/writeback_running
+  echo writeback > $B/cache_mode
+else
+  echo writethrough > $B/cache_mode
+fi
+echo "RESULT cache-mode $(sed 's/.*\[\(.*\)\].*/\1/' $B/cache_mode)"
 
 write_ranges /data/pat /data/kwrites
 echo "RESULT kwrites-mismatches $(ranges_mismatching /data/pat /data/kwrites)"
@@ -41,6 +51,8 @@ cmp -s /tmp/kreads.1 /tmp/kreads.2 && echo "RESULT kreads-stable" ||
 echo "KREADS-BEGIN"; cat /tmp/kreads.1; echo "KREADS-END"
 echo "  tree_depth $(cat $S/$CSET/tree_depth), btree nodes" \
      "$(cat $S/$CSET/internal/btree_nodes)"
+echo "RESULT state $(cat $B/state)"
+echo "RESULT dirty-data $(cat $B/dirty_data)"
 
 echo 1 > $B/stop
 waitfor '[ ! -e /sys/block/bcache0 ]' 300 || echo "  bcache0 did not stop"
