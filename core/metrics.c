@@ -589,7 +589,7 @@ bool
 bcf_stat_get (const struct bcf_snapshot *s, const struct bcf_stat_desc *d,
               enum bcf_stat_view v, struct bcf_stat_value *out)
 {
-  if (d < descs || d >= descs + NDESC) {
+  if (d == NULL || d < descs || d >= descs + NDESC) {
     memset (out, 0, sizeof *out);
     return false;
   }

@@ -116,6 +116,7 @@
 #include "bcachefilter/cleanup.h"
 #include "bcachefilter/format.h"
 #include "bcachefilter/inspect.h"
+#include "bcachefilter/stats.h"
 
 #define PROGRAM_NAME "bcachefilter-show"
 
@@ -1968,12 +1969,23 @@ is_note (const char *line)
   return strncmp (line, NOTE_PREFIX, NOTE_PREFIX_LEN) == 0;
 }
 
+/* A figure of the engine's statistics, by its name in the table
+ * (bcachefilter/stats.h): 0 if the snapshot has none. */
+static uint64_t
+stat_u64 (const struct bcf_snapshot *snap, const char *name)
+{
+  struct bcf_stat_value v;
+
+  return snap && bcf_stat_get (snap, bcf_stat_find (name), BCF_VIEW_TOTAL,
+                               &v) ? v.u : 0;
+}
+
 static int
 mode_fsck (const struct options *opts, const struct device *dev,
            int load_status)
 {
   struct bcf_cache *c;
-  struct bcf_cache_stats st;
+  struct bcf_snapshot *snap;
   struct progress pr;
   char *report;
   uint64_t nodes, keys, buckets;
@@ -1997,10 +2009,13 @@ mode_fsck (const struct options *opts, const struct device *dev,
   }
   problems = bcf_cache_fsck (c, report, FSCK_REPORT_BYTES);
   progress_end (&pr);
-  bcf_cache_stats (c, &st);
-  nodes = st.btree_nodes;
-  keys = st.btree_keys;
-  buckets = st.nbuckets;
+  snap = bcf_snapshot_take (c, NULL);
+  if (snap == NULL)
+    problems = -ENOMEM;
+  nodes = stat_u64 (snap, "btree_nodes");
+  keys = stat_u64 (snap, "btree_keys");
+  buckets = stat_u64 (snap, "nbuckets");
+  bcf_snapshot_free (snap);
   bcf_cache_close (c);
   if (problems < 0) {
     device_error (dev->path, "fsck: out of memory");
