@@ -544,8 +544,8 @@ echo "load avg:  $(cut -d' ' -f1-3 /proc/loadavg) (end), elapsed $(( SECONDS - T
     tee -a "$OUTDIR/machine.txt" >&2
 
 # ---- report -----------------------------------------------------------------
-PYTHONPATH="$(dirname "$0")" python3 - "$RESULTS" "$OUTDIR" "$REPEAT" <<'EOF' |
-    tee "$OUTDIR/summary.md"
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)"  # bcfstats.py: the stats' reader
+python3 - "$RESULTS" "$OUTDIR" "$REPEAT" <<'EOF' | tee "$OUTDIR/summary.md"
 import json, os, statistics, sys
 import bcfstats
 from collections import defaultdict

@@ -65,7 +65,7 @@ pass() {
 }
 # stats KEY...: the values of KEYs from the filter's stats (any level).
 stats() {
-    "$BCTL" -s "$CTL" stats --json | PYTHONPATH="$(dirname "$0")" python3 -c '
+    "$BCTL" -s "$CTL" stats --json | PYTHONPATH="$top/bench" python3 -c '
 import json, sys, bcfstats
 flat = bcfstats.flat(json.load(sys.stdin))
 print(" ".join("%s=%s" % (k, flat.get(k, "?")) for k in sys.argv[1:]))' "$@"
