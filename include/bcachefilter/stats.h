@@ -20,8 +20,13 @@
  *  3. The snapshot (struct bcf_snapshot: every figure of a cache and its
  *     request layer, read at one time) and its renderers: text, JSON and
  *     Prometheus's text exposition format, each written once, from the
- *     table.  bcachefilter-ctl stats (through the filter's control
- *     socket) and bcachefilter-show print through them.
+ *     table.  bcachefilter-ctl stats prints through them (the filter's
+ *     control socket), bcachefilter-show reads its figures through the
+ *     table by name, and the bench scripts read the JSON by the same
+ *     names (bench/bcfstats.py).
+ *
+ * Locking: the counters are safe from any thread (core/stats.c says how);
+ * a snapshot is the caller's alone.
  */
 #ifndef BCACHEFILTER_STATS_H
 #define BCACHEFILTER_STATS_H
