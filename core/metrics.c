@@ -596,20 +596,24 @@ bcf_stat_get (const struct bcf_snapshot *s, const struct bcf_stat_desc *d,
   return get (s, (size_t) (d - descs), v, out);
 }
 
-void
+int
 bcf_stats_clear_all (struct bcf_cache *c, struct bcf_req *r)
 {
   struct bcf_snapshot *s = bcf_snapshot_take (c, r);
+  int err;
 
-  if (s) {
-    /* The new base: what the counters hold now, before any base. */
-    for (size_t i = 0; i < NDESC; i++)
-      s->base[i] = rebased (i) && present (s, i) ? raw_u64 (s, i) : 0;
-    bcf_stats_set_base (bcf_cache_counters (c), s->base, NDESC);
-    bcf_snapshot_free (s);
-  }
+  if (s == NULL)
+    return -ENOMEM;
+  /* The new base: what the counters hold now, before any base. */
+  for (size_t i = 0; i < NDESC; i++)
+    s->base[i] = rebased (i) && present (s, i) ? raw_u64 (s, i) : 0;
+  err = bcf_stats_set_base (bcf_cache_counters (c), s->base, NDESC);
+  bcf_snapshot_free (s);
+  if (err < 0)
+    return err;
   bcf_stats_clear (bcf_cache_counters (c));
   bcf_cache_clear_time_stats (c);
+  return 0;
 }
 
 /* ---- Text ----------------------------------------------------------------- */

@@ -107,10 +107,17 @@ ctl_prometheus (FILE *fp, bool json, char *err, size_t errlen)
 static int
 ctl_clear_stats (char *err, size_t errlen)
 {
+  int r;
+
   if (!ctl_begin (err, errlen))
     return -1;
-  bcf_stats_clear_all (cache, req);
+  r = bcf_stats_clear_all (cache, req);
   ctl_end ();
+  if (r < 0) {
+    snprintf (err, errlen, "clear_stats: %s: nothing was cleared",
+              strerror (-r));
+    return -1;
+  }
   nbdkit_debug ("bcachefilter: statistics cleared (clear_stats)");
   return 0;
 }

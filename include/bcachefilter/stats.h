@@ -216,8 +216,9 @@ int bcf_snapshot_render (const struct bcf_snapshot *snap,
  * cache c and its request layer r (may be NULL); gauges (dirty_data,
  * buckets, ...) and states stay.  The counters of other layers (which
  * their own logic may read) are not written: snapshots of c subtract
- * what they held at the clear. */
-void bcf_stats_clear_all (struct bcf_cache *c, struct bcf_req *r);
+ * what they held at the clear.  0, or -ENOMEM: then nothing was
+ * cleared. */
+int bcf_stats_clear_all (struct bcf_cache *c, struct bcf_req *r);
 
 #pragma GCC visibility pop
 
