@@ -544,8 +544,10 @@ echo "load avg:  $(cut -d' ' -f1-3 /proc/loadavg) (end), elapsed $(( SECONDS - T
     tee -a "$OUTDIR/machine.txt" >&2
 
 # ---- report -----------------------------------------------------------------
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)"  # bcfstats.py: the stats' reader
 python3 - "$RESULTS" "$OUTDIR" "$REPEAT" <<'EOF' | tee "$OUTDIR/summary.md"
 import json, os, statistics, sys
+import bcfstats
 from collections import defaultdict
 results, outdir, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -697,13 +699,7 @@ if stats:
             "cache_miss_collisions", "cache_read_races", "bypassed",
             "write_inserts", "write_collisions", "write_waits", "fills_dropped")
     def get(f):
-        try:
-            s = json.load(open(os.path.join(outdir, f)))
-            flat = dict(s.get("engine", {}))
-            flat.update({k: v for k, v in s.items() if not isinstance(v, dict)})
-            return flat
-        except Exception as e:
-            return {"error": str(e)}
+        return bcfstats.load(os.path.join(outdir, f)) or {}
     print("| run | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     for f in stats:

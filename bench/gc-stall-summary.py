@@ -4,6 +4,8 @@
 # bcachefilter-ctl stats --json before and after each bcachefilter run).
 # Can be run again on a kept OUTDIR.
 import json, os, sys, glob
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bcfstats
 out, dur = sys.argv[1], int(sys.argv[2])
 
 def lat_log(name):
@@ -40,16 +42,10 @@ def in_run(t, t0):
     return f"[{lo / 1000:g}, {hi / 1000:g}) ({n})"
 
 def stats_of(name):
-    try:
-        return json.load(open(os.path.join(out, name + ".stats.json")))
-    except Exception:
-        return None
+    return bcfstats.load(os.path.join(out, name + ".stats.json"))
 
 def before_of(name):
-    try:
-        return json.load(open(os.path.join(out, name + ".before.json")))
-    except Exception:
-        return None
+    return bcfstats.load(os.path.join(out, name + ".before.json"))
 
 rows = [l.rstrip("\n").split("\t") for l in open(os.path.join(out, "results.tsv"))]
 res = {}
@@ -64,7 +60,7 @@ for c, j, name in rows:
              worst=worst, idle=idle)
     st, b0 = stats_of(name), before_of(name)
     if st and b0:
-        e, e0 = st["engine"], b0["engine"]
+        e, e0 = st, b0
         r["gc"] = e["gc_passes"] - e0["gc_passes"]
         r["keys"] = e["btree_keys"]
         r["nodes"] = e["btree_nodes"]

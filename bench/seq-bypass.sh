@@ -65,10 +65,9 @@ pass() {
 }
 # stats KEY...: the values of KEYs from the filter's stats (any level).
 stats() {
-    "$BCTL" -s "$CTL" stats --json | python3 -c '
-import json, sys
-d = json.load(sys.stdin)
-flat = dict(d); flat.update(d.get("engine", {}))
+    "$BCTL" -s "$CTL" stats --json | PYTHONPATH="$top/bench" python3 -c '
+import json, sys, bcfstats
+flat = bcfstats.flat(json.load(sys.stdin))
 print(" ".join("%s=%s" % (k, flat.get(k, "?")) for k in sys.argv[1:]))' "$@"
 }
 

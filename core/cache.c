@@ -71,7 +71,13 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
    * start (with the nbd plugin, an error line each time). */
   atomic_init (&c->export_changes, 0);
   gc_init (c);
-  if ((r = intent_init (c)) < 0) {
+  c->counters = bcf_stats_new ();
+  if (!c->counters)
+    r = -ENOMEM;
+  else
+    r = intent_init (c);
+  if (r < 0) {
+    bcf_stats_free (c->counters);
     gc_free (c);
     intent_free (c);
     free (c);
@@ -108,6 +114,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
+  bcf_stats_free (c->counters);
   free (c);
   return r;
 }
@@ -136,6 +143,7 @@ bcf_cache_close (struct bcf_cache *c)
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
+  bcf_stats_free (c->counters);
   free (c);
   return r;
 }
@@ -220,6 +228,7 @@ bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode)
   pthread_mutex_destroy (&c->ckpt_lock);
   pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
+  bcf_stats_free (c->counters);
   free (c);
   return r;
 }
@@ -401,6 +410,12 @@ bcf_cache_device_ios (const struct bcf_cache *c)
   return bcf_io_count (c->io);
 }
 
+uint64_t
+bcf_cache_device_errors (const struct bcf_cache *c)
+{
+  return bcf_io_errors (c->io);
+}
+
 void
 bcf_release_memory (void)
 {
@@ -413,6 +428,8 @@ bcf_release_memory (void)
 void
 bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
 {
+  uint64_t counters[BCF_STAT__COUNT];
+
   memset (st, 0, sizeof *st);
   st->nbuckets = c->sb.nbuckets;
   st->bucket_bytes = c->bucket_bytes;
@@ -436,8 +453,9 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->journal_last_seq = c->journal.last_seq;
   st->journal_writes = c->journal.writes;
   pthread_mutex_unlock (&c->journal.lock);
-  st->miss_collisions = atomic_load (&c->stats.miss_collisions);
-  st->read_races = atomic_load (&c->stats.read_races);
+  bcf_stats_get (c->counters, BCF_VIEW_TOTAL, counters);
+  st->miss_collisions = counters[BCF_STAT_MISS_COLLISIONS];
+  st->read_races = counters[BCF_STAT_READ_RACES];
   st->inserts = atomic_load (&c->stats.inserts);
   st->dirty_inserts = atomic_load (&c->stats.dirty_inserts);
   st->intent_regions = intent_marked (c);
@@ -447,7 +465,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->invalidates = atomic_load (&c->stats.invalidates);
   st->export_flushes = atomic_load (&c->stats.export_flushes);
   st->export_flush_errors = atomic_load (&c->stats.export_flush_errors);
-  st->device_errors = atomic_load (&c->stats.device_errors);
+  st->device_errors = bcf_io_errors (c->io);
   st->gc_passes = atomic_load (&c->stats.gc_passes);
   st->gc_slices = atomic_load (&c->stats.gc_slices);
   st->gc_nodes = atomic_load (&c->stats.gc_nodes);
@@ -465,6 +483,27 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->gc_slice_locked = c->stats.gc_slice_locked;
   st->ckpt_locked = c->stats.ckpt_locked;
   st->lookup_lock_wait = c->stats.lookup_lock_wait;
+  pthread_mutex_unlock (&c->stats.time_lock);
+}
+
+struct bcf_stats *
+bcf_cache_counters (struct bcf_cache *c)
+{
+  return c->counters;
+}
+
+void
+bcf_cache_clear_time_stats (struct bcf_cache *c)
+{
+  struct bcf_time_stat *const all[] = {
+    &c->stats.gc, &c->stats.btree_split, &c->stats.journal_write,
+    &c->stats.alloc_wait, &c->stats.checkpoint, &c->stats.ckpt_locked,
+    &c->stats.gc_slice_locked, &c->stats.lookup_lock_wait,
+  };
+
+  pthread_mutex_lock (&c->stats.time_lock);
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    memset (all[i], 0, sizeof *all[i]);
   pthread_mutex_unlock (&c->stats.time_lock);
 }
 

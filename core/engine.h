@@ -600,9 +600,12 @@ struct bcf_cache {
   atomic_bool stopping;
   pthread_t journal_thread, gc_thread, alloc_thread;
 
+  /* The decayed counters and latency histograms (stats.h), which the
+   * request layer counts into too: miss collisions and read races are
+   * counted there, once.  Device errors are the I/O layer's count. */
+  struct bcf_stats *counters;
   struct {
-    atomic_uint_fast64_t miss_collisions, read_races;
-    atomic_uint_fast64_t inserts, invalidates, device_errors, dirty_inserts;
+    atomic_uint_fast64_t inserts, invalidates, dirty_inserts;
     atomic_uint_fast64_t export_flushes, export_flush_errors;
     atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;

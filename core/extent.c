@@ -388,14 +388,12 @@ bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf)
   if (e->kind != BCF_EXTENT_HIT)
     return -EINVAL;
   r = dev_read (c, buf, e->len, e->dev_offset);
-  if (r < 0) {
-    atomic_fetch_add (&c->stats.device_errors, 1);
+  if (r < 0)
     return r;
-  }
   if (c->test_read_hook)
     c->test_read_hook (c, e, c->test_read_hook_opaque);
   if (ptr_stale (c, e->ptr)) {
-    atomic_fetch_add (&c->stats.read_races, 1);
+    bcf_stats_add (c->counters, BCF_STAT_READ_RACES, 1);
     return -ESTALE;
   }
   alloc_touch (c, bucket_of_ptr (c, e->ptr));
@@ -575,7 +573,6 @@ bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
       continue;
     }
     if (segs[k].result < 0) {
-      atomic_fetch_add (&c->stats.device_errors, 1);
       put_chunks (c, ch, k, k + 1);
       bcf_miss_cancel (c, ms[i]);
       res[i] = segs[k].result;
@@ -587,7 +584,8 @@ bcf_miss_fill_many (struct bcf_cache *c, struct bcf_miss *const *ms,
     r = replace_key (c, &key, &expect);
     put_chunks (c, ch, k, k + 1);
     if (r == -EEXIST) {
-      atomic_fetch_add (&c->stats.miss_collisions, 1);
+      if (res[i] != -EEXIST)    /* counted once per miss */
+        bcf_stats_add (c->counters, BCF_STAT_MISS_COLLISIONS, 1);
       res[i] = -EEXIST;
     }
     else if (r < 0)
@@ -773,8 +771,7 @@ write_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const void *data,
   if (r == 0) {
     bcf_io_submit (c->io, segs, n);
     for (i = 0; i < n && r == 0; i++)
-      if ((r = segs[i].result) < 0)
-        atomic_fetch_add (&c->stats.device_errors, 1);
+      r = segs[i].result;
   }
   /* 3. Insert the keys, in order; each allocation is given back once
    * its key is in (or failed to go in). */

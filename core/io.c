@@ -1591,6 +1591,12 @@ bcf_io_count (struct bcf_io *io)
          load (&io->errors) + load (&io->errors_injected);
 }
 
+uint64_t
+bcf_io_errors (struct bcf_io *io)
+{
+  return load (&io->errors) + load (&io->errors_injected);
+}
+
 void
 bcf_io_stats (struct bcf_io *io, struct bcf_io_stats *st)
 {

@@ -235,6 +235,8 @@ extern const char *bcf_io_lost (struct bcf_io *io);
 /* Every I/O done so far, failed ones included (cheap: a few atomic
  * loads; bcache's io_count, which its error decay is measured in). */
 extern uint64_t bcf_io_count (struct bcf_io *io);
+/* The I/Os that failed, injected faults included (two relaxed loads). */
+extern uint64_t bcf_io_errors (struct bcf_io *io);
 
 /* ---- Congestion (bcache's congested_read/write_threshold_us) ------------ */
 

@@ -238,7 +238,6 @@ struct bcf_req {
   _Atomic uint64_t bypass_sequential, bypass_congested, sequential_cached;
   /* What a read costs, from the export and from the cache (cost_sample). */
   struct read_cost { _Atomic uint64_t ns8, bytes8; } export_cost, cache_cost;
-  _Atomic uint64_t device_errors;       /* all, never decayed */
   /* The decayed count (device_error): errors << ERROR_SHIFT, decayed up
    * to device I/O decayed_to; decay_ios = halflife / 88 (0: never). */
   pthread_mutex_t error_lock;
@@ -300,6 +299,36 @@ inflight_leave (struct bcf_inflight **t)
     __attribute__ ((cleanup (inflight_leave), unused)) =               \
     bcf_inflight_enter ((r)->c)
 
+/* The request latency histograms (stats.h): TIMED (r, kind, on) at the
+ * top of an entry point reads the clock if on, and the cleanup attribute
+ * records the time to its return under timer_.kind (which the function
+ * may change: a read learns at its end whether it hit).  Reads are timed
+ * one in COST_SAMPLE_EVERY per thread (read_timed), so the hit path
+ * reads no clock for seven hits in eight, as in read_hit. */
+struct req_timer {
+  struct bcf_stats *stats;
+  enum bcf_latency kind;
+  uint64_t t0;                  /* 0: not timed */
+};
+
+static inline void
+req_timer_end (struct req_timer *t)
+{
+  if (t->t0)
+    bcf_stats_latency (t->stats, t->kind, bcf_now_ns () - t->t0);
+}
+
+static inline bool
+read_timed (void)
+{
+  static __thread unsigned reads;
+  return reads++ % COST_SAMPLE_EVERY == 0;
+}
+
+#define TIMED(r, k, on)                                                 \
+  struct req_timer timer_ __attribute__ ((cleanup (req_timer_end))) =  \
+    { (r)->stats, (k), (on) ? bcf_now_ns () : 0 }
+
 int
 bcf_cache_mode_parse (const char *name)
 {
@@ -338,9 +367,8 @@ static void go_passthrough (struct bcf_req *r);
 static void
 fill_result (struct bcf_req *r, int rc)
 {
-  if (rc == -EEXIST)
-    bcf_stats_add (r->stats, BCF_STAT_MISS_COLLISIONS, 1);
-  else if (rc < 0 && rc != -ENOSPC)
+  /* A collision (-EEXIST) was counted by the engine. */
+  if (rc < 0 && rc != -EEXIST && rc != -ENOSPC)
     device_error (r);
 }
 
@@ -561,7 +589,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
   r->decayed_to = bcf_cache_device_ios (c);
   r->tracker = bcf_bypass_new (r->size);
   r->seq = bcf_seqdetect_new ();
-  r->stats = bcf_stats_new ();
+  r->stats = bcf_cache_counters (c);      /* the cache's */
   if (!r->tracker || !r->seq || !r->stats ||
       bcf_req_set_mode (r, o->mode) < 0) {
     bcf_req_free (r);
@@ -625,7 +653,6 @@ bcf_req_free (struct bcf_req *r)
   pthread_cond_destroy (&r->fill_done);
   bcf_bypass_free (r->tracker);
   bcf_seqdetect_free (r->seq);
-  bcf_stats_free (r->stats);
   pthread_mutex_destroy (&r->abandon_lock);
   pthread_mutex_destroy (&r->error_lock);
   pthread_mutex_destroy (&r->wb_hand_lock);
@@ -937,7 +964,7 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   struct bcf_bypass_mem m;
 
   memset (st, 0, sizeof *st);
-  st->device_errors = atomic_load (&r->device_errors);
+  st->device_errors = bcf_cache_device_errors (r->c);
   pthread_mutex_lock (&r->error_lock);
   decay_errors_locked (r);
   st->io_errors = r->io_errors >> ERROR_SHIFT;
@@ -1141,7 +1168,6 @@ device_error (struct bcf_req *r)
 {
   bool give_up;
 
-  atomic_fetch_add (&r->device_errors, 1);
   pthread_mutex_lock (&r->error_lock);
   decay_errors_locked (r);
   r->io_errors += UINT64_C (1) << ERROR_SHIFT;
@@ -1333,9 +1359,7 @@ read_hit (struct bcf_req *r, const struct bcf_backing *b,
     return backing_pread (b, buf, e->len, e->offset);
   if (rc == 0)
     return 0;
-  if (rc == -ESTALE)
-    bcf_stats_add (r->stats, BCF_STAT_READ_RACES, 1);
-  else {
+  if (rc != -ESTALE) {          /* a race was counted by the engine */
     if (e->dirty)
       return rc;        /* the only copy: the backing store is older */
     device_error (r);
@@ -1393,9 +1417,11 @@ count_read (struct bcf_req *r, bool bypass, bool hit, uint64_t count)
     bcf_stats_add (r->stats, hit ? BCF_STAT_HITS : BCF_STAT_MISSES, 1);
 }
 
+/* *all_hit: the request counted as a hit (count_read); left alone when
+ * the cache was not asked. */
 static int
 do_read (struct bcf_req *r, const struct bcf_backing *b, void *buf,
-         uint32_t count, uint64_t offset, bool bypass)
+         uint32_t count, uint64_t offset, bool bypass, bool *all_hit)
 {
   struct span s = span_of (r, offset, count);
   uint64_t end = offset + count;
@@ -1431,6 +1457,7 @@ do_read (struct bcf_req *r, const struct bcf_backing *b, void *buf,
   }
   if (rc == 0)
     count_read (r, bypass, hit, count);
+  *all_hit = rc == 0 && hit;
   return rc;
 }
 
@@ -1439,12 +1466,17 @@ bcf_req_read (struct bcf_req *r, const struct bcf_backing *b,
               void *buf, uint32_t count, uint64_t offset)
 {
   IN_FLIGHT (r);
-  bool bypass;
+  TIMED (r, BCF_LAT_READ_MISS, read_timed ());
+  bool bypass, hit = false;
+  int rc;
 
   offset += r->offset;
   bypass = should_bypass (r, offset, count);
 
-  return do_read (r, b, buf, count, offset, bypass);
+  rc = do_read (r, b, buf, count, offset, bypass, &hit);
+  if (hit)
+    timer_.kind = BCF_LAT_READ_HIT;
+  return rc;
 }
 
 int
@@ -1454,6 +1486,7 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
   IN_FLIGHT (r);
   uint64_t end;
   uint8_t *buf;
+  bool hit;
   int rc = 0;
 
   offset += r->offset;
@@ -1466,7 +1499,7 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
   for (uint64_t pos = offset; pos < end && rc == 0; ) {
     uint64_t len = end - pos < PREFETCH_CHUNK ? end - pos : PREFETCH_CHUNK;
     rc = do_read (r, b, buf, (uint32_t) len, pos,
-                  atomic_load (&r->mode) == BCF_MODE_NONE);
+                  atomic_load (&r->mode) == BCF_MODE_NONE, &hit);
     pos += len;
   }
   free (buf);
@@ -1737,6 +1770,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
 {
   IN_FLIGHT (r);
+  TIMED (r, BCF_LAT_WRITE, true);
   struct span s, in;
   struct bcf_bypass_token tok;
   struct bcf_write w;
@@ -1950,6 +1984,7 @@ int
 bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   IN_FLIGHT (r);
+  TIMED (r, BCF_LAT_FLUSH, true);
   int rc = export_flush (r, b);
 
   bcf_req_drain (r);

@@ -1,5 +1,6 @@
-/* bcachefilter engine: request counters with bcache's decayed views.
- * See include/bcachefilter/stats.h for the interface.
+/* bcachefilter engine: request counters with bcache's decayed views, and
+ * the request latency histograms.  See include/bcachefilter/stats.h for
+ * the interface (the descriptors and renderers are core/metrics.c).
  *
  * What bcache does (drivers/md/bcache/stats.c)
  * --------------------------------------------
@@ -54,6 +55,27 @@
  * never nowhere (an add that read the clock just before a tick may be
  * accounted one tick late, which bcache's timer allows too).
  * bcf_stats_get of the total view takes no lock.
+ *
+ * Latency histograms
+ * ------------------
+ * bcf_stats_latency is on every write and flush and on one read in eight
+ * (request.c), from many threads at once.  Each thread is given one of
+ * LAT_SHARDS shards when it first records (round robin), and adds to it
+ * with relaxed atomics: count, sum, the bucket, and the max by
+ * compare-and-swap only when it grows.  Threads beyond LAT_SHARDS share
+ * shards, which the atomics make safe; each shard has its own cache
+ * lines, so threads that do not share one do not contend.  Readers sum
+ * the shards without a lock: a reader racing with a record may see the
+ * count without the bucket, which no reader relies on.
+ *
+ * clear_stats
+ * -----------
+ * bcf_stats_clear zeroes what this file owns (the totals, the collector
+ * and the views under the mutex; the shards with relaxed stores: an add
+ * racing with it lands before or after).  The counters of other layers
+ * are rebased instead (core/metrics.c): the clear stores their values
+ * here (bcf_stats_set_base), and snapshots subtract them, so that no
+ * layer sees its own counters go backwards.
  */
 #include "config.h"
 
@@ -68,6 +90,7 @@
 
 #include "util.h"
 #include "bcachefilter/stats.h"
+#include "metrics.h"
 
 /* bcache's constants. */
 #define TICK_NS          (300ull * 1000000000ull / 22)   /* accounting_delay */
@@ -91,7 +114,21 @@ typedef uint64_t fixed_t;
 #define FIXED_MAX UINT64_MAX
 #endif
 
+#define LAT_SHARDS       16
+
+struct lat_hist {
+  _Atomic uint64_t count, sum_ns, max_ns;
+  _Atomic uint64_t hist[BCF_TIME_HIST];
+};
+
+struct lat_shard {
+  _Alignas (64) struct lat_hist h[BCF_LAT__COUNT];
+};
+
 struct bcf_stats {
+  /* The latency shards first: aligned_alloc aligns them. */
+  struct lat_shard lat[LAT_SHARDS];
+
   /* Hot path (atomics). */
   _Atomic uint64_t total[BCF_STAT__COUNT];
   _Atomic uint64_t collector[BCF_STAT__COUNT];
@@ -105,6 +142,8 @@ struct bcf_stats {
   uint64_t ticks_done;                      /* ticks run since the epoch */
   unsigned rescale[NR_DECAYED];             /* bcache's stats->rescale */
   fixed_t view[NR_DECAYED][BCF_STAT__COUNT];
+  uint64_t *base;                           /* clear_stats: metrics.c's */
+  size_t nbase;
 };
 
 static const char *const counter_names[BCF_STAT__COUNT] = {
@@ -203,11 +242,13 @@ catch_up (struct bcf_stats *s)
 struct bcf_stats *
 bcf_stats_new (void)
 {
-  struct bcf_stats *s = calloc (1, sizeof *s);
+  const size_t size = (sizeof (struct bcf_stats) + 63) & ~(size_t) 63;
+  struct bcf_stats *s = aligned_alloc (64, size);
   int err;
 
   if (s == NULL)
     return NULL;
+  memset (s, 0, size);
   err = pthread_mutex_init (&s->lock, NULL);
   if (err != 0) {
     free (s);
@@ -230,6 +271,7 @@ bcf_stats_free (struct bcf_stats *s)
   if (s == NULL)
     return;
   pthread_mutex_destroy (&s->lock);
+  free (s->base);
   free (s);
 }
 
@@ -298,5 +340,147 @@ bcf_stats_test_clock (struct bcf_stats *s, uint64_t (*now_ns) (void))
   catch_up (s);                 /* settle the old clock's ticks */
   atomic_store (&s->now_ns, now_ns ? now_ns : bcf_now_ns);
   rebase (s);
+  pthread_mutex_unlock (&s->lock);
+}
+
+/* ---- Latency histograms ------------------------------------------------- */
+
+static unsigned
+lat_shard_index (void)
+{
+  static _Atomic unsigned next;
+  static __thread unsigned mine;        /* index + 1; 0: not given yet */
+
+  if (mine == 0)
+    mine = atomic_fetch_add_explicit (&next, 1, memory_order_relaxed)
+      % LAT_SHARDS + 1;
+  return mine - 1;
+}
+
+void
+bcf_stats_latency (struct bcf_stats *s, enum bcf_latency k, uint64_t ns)
+{
+  struct lat_hist *h;
+  uint64_t max;
+
+  if (s == NULL || (unsigned) k >= BCF_LAT__COUNT)
+    return;
+  h = &s->lat[lat_shard_index ()].h[k];
+  atomic_fetch_add_explicit (&h->count, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit (&h->sum_ns, ns, memory_order_relaxed);
+  atomic_fetch_add_explicit (&h->hist[bcf_time_hist_bucket (ns)], 1,
+                             memory_order_relaxed);
+  max = atomic_load_explicit (&h->max_ns, memory_order_relaxed);
+  while (ns > max &&
+         !atomic_compare_exchange_weak_explicit (&h->max_ns, &max, ns,
+                                                 memory_order_relaxed,
+                                                 memory_order_relaxed))
+    ;
+}
+
+void
+bcf_stats_latency_get (struct bcf_stats *s, enum bcf_latency k,
+                       struct bcf_time_stat *out)
+{
+  memset (out, 0, sizeof *out);
+  if (s == NULL || (unsigned) k >= BCF_LAT__COUNT)
+    return;
+  for (unsigned i = 0; i < LAT_SHARDS; i++) {
+    struct lat_hist *h = &s->lat[i].h[k];
+    uint64_t max = atomic_load_explicit (&h->max_ns, memory_order_relaxed);
+
+    out->count += atomic_load_explicit (&h->count, memory_order_relaxed);
+    out->total_ns += atomic_load_explicit (&h->sum_ns, memory_order_relaxed);
+    if (max > out->max_ns)
+      out->max_ns = max;
+    for (unsigned b = 0; b < BCF_TIME_HIST; b++)
+      out->hist[b] += atomic_load_explicit (&h->hist[b],
+                                            memory_order_relaxed);
+  }
+}
+
+uint64_t
+bcf_time_stat_quantile_ns (const struct bcf_time_stat *t, double q)
+{
+  uint64_t n = 0, rank, seen = 0;
+
+  for (unsigned i = 0; i < BCF_TIME_HIST; i++)
+    n += t->hist[i];
+  if (n == 0 || q <= 0)
+    return 0;
+  rank = (uint64_t) (q * (double) n + 0.999999);
+  if (rank < 1)
+    rank = 1;
+  if (rank > n)
+    rank = n;
+  for (unsigned i = 0; i < BCF_TIME_HIST; i++) {
+    uint64_t lo, hi, v;
+
+    if (seen + t->hist[i] < rank) {
+      seen += t->hist[i];
+      continue;
+    }
+    lo = bcf_time_hist_floor_us (i) * 1000;
+    hi = i + 1 < BCF_TIME_HIST ? bcf_time_hist_floor_us (i + 1) * 1000
+      : t->max_ns;
+    if (hi > t->max_ns && t->max_ns >= lo)
+      hi = t->max_ns;
+    v = lo + (uint64_t) ((double) (hi - lo) * (double) (rank - seen)
+                         / (double) t->hist[i]);
+    return v < t->max_ns || t->max_ns == 0 ? v : t->max_ns;
+  }
+  return t->max_ns;
+}
+
+/* ---- clear_stats -------------------------------------------------------- */
+
+void
+bcf_stats_clear (struct bcf_stats *s)
+{
+  if (s == NULL)
+    return;
+  pthread_mutex_lock (&s->lock);
+  catch_up (s);
+  for (int k = 0; k < BCF_STAT__COUNT; k++) {
+    atomic_store_explicit (&s->total[k], 0, memory_order_relaxed);
+    atomic_store_explicit (&s->collector[k], 0, memory_order_relaxed);
+    for (int v = 0; v < NR_DECAYED; v++)
+      s->view[v][k] = 0;
+  }
+  pthread_mutex_unlock (&s->lock);
+  for (unsigned i = 0; i < LAT_SHARDS; i++)
+    for (int k = 0; k < BCF_LAT__COUNT; k++) {
+      struct lat_hist *h = &s->lat[i].h[k];
+
+      atomic_store_explicit (&h->count, 0, memory_order_relaxed);
+      atomic_store_explicit (&h->sum_ns, 0, memory_order_relaxed);
+      atomic_store_explicit (&h->max_ns, 0, memory_order_relaxed);
+      for (unsigned b = 0; b < BCF_TIME_HIST; b++)
+        atomic_store_explicit (&h->hist[b], 0, memory_order_relaxed);
+    }
+}
+
+int
+bcf_stats_set_base (struct bcf_stats *s, const uint64_t *base, size_t n)
+{
+  uint64_t *copy = malloc (n * sizeof *copy);
+
+  if (copy == NULL)
+    return -ENOMEM;
+  memcpy (copy, base, n * sizeof *copy);
+  pthread_mutex_lock (&s->lock);
+  free (s->base);
+  s->base = copy;
+  s->nbase = n;
+  pthread_mutex_unlock (&s->lock);
+  return 0;
+}
+
+void
+bcf_stats_get_base (struct bcf_stats *s, uint64_t *base, size_t n)
+{
+  pthread_mutex_lock (&s->lock);
+  for (size_t i = 0; i < n; i++)
+    base[i] = i < s->nbase ? s->base[i] : 0;
   pthread_mutex_unlock (&s->lock);
 }

@@ -18,7 +18,9 @@
  *                over a connection's nbdkit_next)
  *   (core/bdev.c holds what a bcache backing device as the export needs;
  *   here .get_size and block status show only its data region)
- *   render.c     the control socket's text and JSON
+ *   render.c     the control socket's output: the statistics (the
+ *                engine renders them: text, JSON, Prometheus) and the
+ *                superblock
  *   allocator.c  jemalloc's figures for them, when nbdkit runs under
  *                LD_PRELOAD=libjemalloc.so.2
  *   ctl.c        the control socket's server

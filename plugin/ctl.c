@@ -23,6 +23,11 @@
  * ..." without their line being read, until a slot frees.  Commands:
  *
  *   stats [--json]                          ops->stats
+ *   stats --prometheus                      ops->prometheus: the text
+ *                                           exposition format 0.0.4
+ *   clear_stats                             ops->clear_stats (bcache's):
+ *                                           counters and histograms from
+ *                                           zero, gauges kept
  *   set cache_mode MODE   (the filter names and checks the modes)
  *                                           ops->set ("cache_mode", MODE)
  *   set sequential_cutoff SIZE              ops->set ("sequential_cutoff",
@@ -157,7 +162,8 @@
 
 #define VALID_COMMANDS \
   "stats [--json], set NAME VALUE, trigger_gc, writeback_flush, " \
-  "detach, detach_status, show super [--json], help"
+  "detach, detach_status, show super [--json], stats --prometheus, " \
+  "clear_stats, help"
 
 static pthread_mutex_t ctl_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
@@ -541,6 +547,8 @@ run_action (struct reply *r, const char *what,
 
 static const char help_text[] =
   "stats [--json]              hit/miss/bypass counters (total, five_minute, hour, day)\n"
+  "stats --prometheus          the same in Prometheus's text format\n"
+  "clear_stats                 counters and histograms from zero (gauges stay)\n"
   "set cache_mode MODE         MODE: writethrough, writeback, writearound or none\n"
   "set sequential_cutoff SIZE  bytes, or with a k, M or G suffix; 0 disables\n"
   "set sequential_bypass P     auto (not while the export is slower) or always\n"
@@ -596,9 +604,13 @@ handle_line (const struct bcf_ctl_ops *ops, char *line, size_t len,
   else if (strcmp (word[0], "stats") == 0) {
     if (nw == 1 || (nw == 2 && strcmp (word[1], "--json") == 0))
       run_output (r, "stats", ops->stats, nw == 2);
+    else if (nw == 2 && strcmp (word[1], "--prometheus") == 0)
+      run_output (r, "stats --prometheus", ops->prometheus, false);
     else
-      reply_error (r, "usage: stats [--json]");
+      reply_error (r, "usage: stats [--json], or stats --prometheus");
   }
+  else if (strcmp (word[0], "clear_stats") == 0)
+    run_action (r, "clear_stats", ops->clear_stats, nw);
   else if (strcmp (word[0], "show") == 0) {
     if ((nw == 2 || (nw == 3 && strcmp (word[2], "--json") == 0)) &&
         strcmp (word[1], "super") == 0)

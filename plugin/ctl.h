@@ -9,7 +9,8 @@
  * commands, and never touches the cache itself.
  *
  * Commands (one per connection):
- *   stats [--json]
+ *   stats [--json | --prometheus]
+ *   clear_stats
  *   set cache_mode writethrough|writearound|none|writeback
  *   set sequential_cutoff SIZE          (bytes, or with k/M/G suffix; 0 off)
  *   set sequential_bypass auto|always
@@ -51,6 +52,11 @@ struct bcf_ctl_ops {
    * ...", "failed ..."), and what it did or why it failed. */
   int (*detach_status) (FILE *fp, bool json, char *err, size_t errlen);
   int (*show_super) (FILE *fp, bool json, char *err, size_t errlen);
+  /* stats --prometheus: the statistics in Prometheus's text exposition
+   * format (json is false). */
+  int (*prometheus) (FILE *fp, bool json, char *err, size_t errlen);
+  /* bcache's clear_stats: counters and histograms start from zero. */
+  int (*clear_stats) (char *err, size_t errlen);
 };
 
 /* Check that a control socket could be created at path (length fits

@@ -76,12 +76,49 @@ ctl_end (void)
 }
 
 static int
-ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
+render_stats_as (FILE *fp, enum bcf_stats_format f, char *err,
+                 size_t errlen)
 {
+  int r;
+
   if (!ctl_begin (err, errlen))
     return -1;
-  render_stats (fp, json, cache, req);
+  r = render_stats (fp, f, cache, req);
   ctl_end ();
+  if (r < 0)
+    snprintf (err, errlen, "stats: cannot render them: %m");
+  return r;
+}
+
+static int
+ctl_stats (FILE *fp, bool json, char *err, size_t errlen)
+{
+  return render_stats_as (fp, json ? BCF_STATS_JSON : BCF_STATS_TEXT, err,
+                          errlen);
+}
+
+static int
+ctl_prometheus (FILE *fp, bool json, char *err, size_t errlen)
+{
+  return render_stats_as (fp, BCF_STATS_PROMETHEUS, err, errlen);
+}
+
+/* bcache's clear_stats: counters and histograms from zero. */
+static int
+ctl_clear_stats (char *err, size_t errlen)
+{
+  int r;
+
+  if (!ctl_begin (err, errlen))
+    return -1;
+  r = bcf_stats_clear_all (cache, req);
+  ctl_end ();
+  if (r < 0) {
+    snprintf (err, errlen, "clear_stats: %s: nothing was cleared",
+              strerror (-r));
+    return -1;
+  }
+  nbdkit_debug ("bcachefilter: statistics cleared (clear_stats)");
   return 0;
 }
 
@@ -471,6 +508,7 @@ static const struct bcf_ctl_ops ctl_ops = {
   .stats = ctl_stats, .set = ctl_set, .trigger_gc = ctl_trigger_gc,
   .writeback_flush = ctl_writeback_flush,
   .show_super = ctl_show_super,
+  .prometheus = ctl_prometheus, .clear_stats = ctl_clear_stats,
   .detach = ctl_detach, .detach_status = ctl_detach_status,
 };
 

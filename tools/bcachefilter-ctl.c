@@ -92,7 +92,9 @@ usage (FILE *fp)
            "control socket (the filter's bcache-ctl=PATH parameter).\n"
            "\n"
            "Commands:\n"
-           "  stats [--json]              hit, miss and bypass counters\n"
+           "  stats [--json | --prometheus]  the statistics: text, JSON, or\n"
+           "                              Prometheus's text exposition format\n"
+           "  clear_stats                 counters and histograms from zero\n"
            "  set cache_mode MODE         writethrough, writeback, writearound\n"
            "                              or none\n"
            "  set sequential_cutoff SIZE  bytes, or with a k, M or G suffix;\n"
@@ -157,9 +159,10 @@ check_command (int nargs, char **args)
   const char *cmd = args[0];
 
   if (strcmp (cmd, "stats") == 0) {
-    if (nargs == 1 || (nargs == 2 && is_json (args[1])))
+    if (nargs == 1 || (nargs == 2 && (is_json (args[1]) ||
+                                      strcmp (args[1], "--prometheus") == 0)))
       return -1;
-    return usage_error ("usage: stats [--json]");
+    return usage_error ("usage: stats [--json | --prometheus]");
   }
   if (strcmp (cmd, "set") == 0) {
     if (nargs != 3)
@@ -171,7 +174,8 @@ check_command (int nargs, char **args)
     return -1;
   }
   if (strcmp (cmd, "writeback_flush") == 0 ||
-      strcmp (cmd, "detach_status") == 0) {
+      strcmp (cmd, "detach_status") == 0 ||
+      strcmp (cmd, "clear_stats") == 0) {
     if (nargs != 1)
       return usage_error ("usage: %s (no arguments)", cmd);
     return -1;
@@ -194,8 +198,8 @@ check_command (int nargs, char **args)
     return -1;
   }
   return usage_error ("unknown command '%s': valid commands are stats, "
-                      "set, flush, detach, detach_status, trigger-gc, show "
-                      "super and help", cmd);
+                      "clear_stats, set, flush, detach, detach_status, "
+                      "trigger-gc, show super and help", cmd);
 }
 
 /* Join the words into *linep = "w1 w2 ...\n".  Returns -1 to continue,

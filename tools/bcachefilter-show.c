@@ -108,6 +108,7 @@
 #include <sys/stat.h>
 #include <linux/fs.h>
 
+#include <json.h>
 #include <libnbd.h>
 
 #include "bcachefilter/cache.h"
@@ -115,6 +116,7 @@
 #include "bcachefilter/cleanup.h"
 #include "bcachefilter/format.h"
 #include "bcachefilter/inspect.h"
+#include "bcachefilter/stats.h"
 
 #define PROGRAM_NAME "bcachefilter-show"
 
@@ -837,132 +839,201 @@ show_super_text (const struct sb_view *v)
 /* ------------------------------------------------------------------------
  * JSON output
  *
- * A tiny writer: objects nest up to JSON_MAX_DEPTH, and the writer
- * remembers per level whether a separator is needed.
+ * Values are made and written by json-c; this writer only streams the
+ * document's outer levels, so that a large cache's btree or journal is
+ * never held in memory whole.  The root object and the arrays that are
+ * its members ("nodes", "entries", "problems", ...) are streamed: "{",
+ * "[", the separators and the indentation are written as members and
+ * elements come, one per line.  Anything below them (an element, an
+ * object member) is built as a json-c object and written, with
+ * json_object_to_json_string_ext, once it is complete.
  * ------------------------------------------------------------------------ */
 
-#define JSON_MAX_DEPTH 8
+#define JSON_MAX_DEPTH 16
+#define JSON_FLAGS (JSON_C_TO_STRING_SPACED | JSON_C_TO_STRING_NOSLASHESCAPE)
 
 struct json {
   FILE *fp;
-  unsigned depth;
+  unsigned depth;                       /* containers open */
+  /* Per open container: streamed (node NULL: written as it comes, with
+   * need_comma) or built (node, to be written or added under key). */
+  json_object *node[JSON_MAX_DEPTH];
+  const char *key[JSON_MAX_DEPTH];
   bool need_comma[JSON_MAX_DEPTH];
 };
 
-static void
-json_string (FILE *fp, const char *s, size_t len)
+/* A string as JSON: bytes as they are, except that, since a label is
+ * bytes and not necessarily UTF-8, every non-ASCII byte is taken as
+ * Latin-1 (json-c then writes valid UTF-8; control characters it
+ * escapes itself). */
+static json_object *
+jw_latin1 (const char *s, size_t len)
 {
-  size_t i;
+  size_t n = 0;
+  json_object *o;
+  char *u;
 
-  fputc ('"', fp);
-  for (i = 0; i < len; i++) {
+  for (size_t i = 0; i < len; i++)
+    n += (unsigned char) s[i] >= 0x80 ? 2 : 1;
+  u = malloc (n + 1);
+  if (u == NULL)
+    return json_object_new_string_len (s, (int) len);
+  n = 0;
+  for (size_t i = 0; i < len; i++) {
     const unsigned char c = (unsigned char) s[i];
 
-    switch (c) {
-    case '"':  fputs ("\\\"", fp); break;
-    case '\\': fputs ("\\\\", fp); break;
-    case '\n': fputs ("\\n", fp); break;
-    case '\t': fputs ("\\t", fp); break;
-    case '\r': fputs ("\\r", fp); break;
-    default:
-      /* Control characters and, since a label is bytes and not
-       * necessarily UTF-8, every non-ASCII byte as \u00XX (the byte read
-       * as Latin-1). */
-      if (c < 0x20 || c >= 0x7f)
-        fprintf (fp, "\\u%04x", c);
-      else
-        fputc (c, fp);
+    if (c >= 0x80) {
+      u[n++] = (char) (0xc0 | c >> 6);
+      u[n++] = (char) (0x80 | (c & 0x3f));
     }
+    else
+      u[n++] = (char) c;
   }
-  fputc ('"', fp);
+  o = json_object_new_string_len (u, (int) n);
+  free (u);
+  return o;
 }
 
-/* Start a member: separator, indentation and "key": */
+/* Start a member of the streamed container at the current depth:
+ * separator, indentation and "key": (if any). */
 static void
-json_key (struct json *j, const char *key)
+jw_member (struct json *j, const char *key)
 {
   if (j->need_comma[j->depth])
     fputc (',', j->fp);
   j->need_comma[j->depth] = true;
   fprintf (j->fp, "\n%*s", (int) (2 * j->depth), "");
   if (key) {
-    json_string (j->fp, key, strlen (key));
-    fputs (": ", j->fp);
+    json_object *k = jw_latin1 (key, strlen (key));
+
+    fprintf (j->fp, "%s: ", json_object_to_json_string_ext (k, JSON_FLAGS));
+    json_object_put (k);
   }
 }
 
+/* A whole member of a streamed container: v (consumed; NULL: null). */
 static void
-json_open (struct json *j, const char *key, char bracket)
+jw_emit (struct json *j, const char *key, json_object *v)
 {
-  if (j->depth > 0 || key)
-    json_key (j, key);
-  fputc (bracket, j->fp);
-  if (j->depth + 1 < JSON_MAX_DEPTH)
-    j->depth++;
+  jw_member (j, key);
+  fputs (v ? json_object_to_json_string_ext (v, JSON_FLAGS) : "null",
+         j->fp);
+  json_object_put (v);
+}
+
+/* Add v (consumed; NULL: null) under key to the innermost container. */
+static void
+jw_add (struct json *j, const char *key, json_object *v)
+{
+  json_object *parent = j->depth ? j->node[j->depth - 1] : NULL;
+
+  if (parent == NULL) {
+    jw_emit (j, key, v);
+    return;
+  }
+  if (json_object_is_type (parent, json_type_array))
+    json_object_array_add (parent, v);
+  else
+    json_object_object_add (parent, key, v);
+}
+
+static void
+jw_open (struct json *j, const char *key, char bracket)
+{
+  const bool streamed = j->depth == 0 ||
+    (j->depth == 1 && j->node[0] == NULL && bracket == '[');
+
+  if (j->depth + 1 >= JSON_MAX_DEPTH)
+    abort ();                   /* the callers nest at most 7 deep */
+  if (streamed) {
+    if (j->depth > 0)
+      jw_member (j, key);
+    fputc (bracket, j->fp);
+    j->node[j->depth] = NULL;
+  }
+  else
+    j->node[j->depth] = bracket == '[' ? json_object_new_array ()
+                                       : json_object_new_object ();
+  j->key[j->depth] = key;
+  j->depth++;
   j->need_comma[j->depth] = false;
 }
 
 static void
-json_close (struct json *j, char bracket)
+jw_close (struct json *j, char bracket)
 {
-  const bool empty = !j->need_comma[j->depth];
+  json_object *node;
 
-  if (j->depth > 0)
-    j->depth--;
-  if (!empty)
-    fprintf (j->fp, "\n%*s", (int) (2 * j->depth), "");
-  fputc (bracket, j->fp);
+  j->depth--;
+  node = j->node[j->depth];
+  if (node == NULL) {           /* streamed */
+    if (j->need_comma[j->depth + 1])
+      fprintf (j->fp, "\n%*s", (int) (2 * j->depth), "");
+    fputc (bracket, j->fp);
+    return;
+  }
+  j->node[j->depth] = NULL;
+  jw_add (j, j->key[j->depth], node);
 }
 
 static void
-json_u64 (struct json *j, const char *key, uint64_t n)
+jw_u64 (struct json *j, const char *key, uint64_t n)
 {
-  json_key (j, key);
-  fprintf (j->fp, "%" PRIu64, n);
+  jw_add (j, key, json_object_new_uint64 (n));
 }
 
 static void
-json_bool (struct json *j, const char *key, bool b)
+jw_bool (struct json *j, const char *key, bool b)
 {
-  json_key (j, key);
-  fputs (b ? "true" : "false", j->fp);
+  jw_add (j, key, json_object_new_boolean (b));
 }
 
 static void
-json_str (struct json *j, const char *key, const char *s)
+jw_null (struct json *j, const char *key)
 {
-  json_key (j, key);
+  jw_add (j, key, NULL);
+}
+
+static void
+jw_strn (struct json *j, const char *key, const char *s, size_t len)
+{
+  jw_add (j, key, jw_latin1 (s, len));
+}
+
+static void
+jw_str (struct json *j, const char *key, const char *s)
+{
   if (s)
-    json_string (j->fp, s, strlen (s));
+    jw_strn (j, key, s, strlen (s));
   else
-    fputs ("null", j->fp);
+    jw_null (j, key);
 }
 
 /* A space-separated list of words as a JSON array of strings. */
 static void
-json_words (struct json *j, const char *key, const char *words)
+jw_words (struct json *j, const char *key, const char *words)
 {
-  json_open (j, key, '[');
+  jw_open (j, key, '[');
   while (*words) {
     const size_t len = strcspn (words, " ");
 
-    if (len > 0) {
-      json_key (j, NULL);
-      json_string (j->fp, words, len);
-    }
+    if (len > 0)
+      jw_strn (j, NULL, words, len);
     words += len;
     words += strspn (words, " ");
   }
-  json_close (j, ']');
+  jw_close (j, ']');
 }
 
 /* 64-bit checksums and magics: "0x%016x" strings (JSON numbers lose
  * precision above 2^53 in most parsers). */
 static void
-json_hex64 (struct json *j, const char *key, uint64_t n)
+jw_hex64 (struct json *j, const char *key, uint64_t n)
 {
-  json_key (j, key);
-  fprintf (j->fp, "\"0x%016" PRIx64 "\"", n);
+  char buf[24];
+
+  snprintf (buf, sizeof buf, "0x%016" PRIx64, n);
+  jw_str (j, key, buf);
 }
 
 static void
@@ -973,40 +1044,40 @@ json_sb (struct json *j, const struct sb_view *v)
   char features[FEATURES_STRING_SIZE];
 
   flags_string (sb, flags, sizeof flags);
-  json_open (j, "sb", '{');
-  json_str (j, "magic", "ok");
-  json_u64 (j, "first_sector", sb->offset);
-  json_hex64 (j, "csum", sb->csum);
-  json_hex64 (j, "csum_expected", v->csum_computed);
-  json_bool (j, "csum_ok", sb->csum == v->csum_computed);
-  json_u64 (j, "version", sb->version);
-  json_str (j, "version_name", v->version_name);
-  json_u64 (j, "seq", sb->seq);
-  json_u64 (j, "flags", sb->flags);
-  json_words (j, "flags_decoded", flags);
-  json_u64 (j, "feature_compat", sb->feature_compat);
+  jw_open (j, "sb", '{');
+  jw_str (j, "magic", "ok");
+  jw_u64 (j, "first_sector", sb->offset);
+  jw_hex64 (j, "csum", sb->csum);
+  jw_hex64 (j, "csum_expected", v->csum_computed);
+  jw_bool (j, "csum_ok", sb->csum == v->csum_computed);
+  jw_u64 (j, "version", sb->version);
+  jw_str (j, "version_name", v->version_name);
+  jw_u64 (j, "seq", sb->seq);
+  jw_u64 (j, "flags", sb->flags);
+  jw_words (j, "flags_decoded", flags);
+  jw_u64 (j, "feature_compat", sb->feature_compat);
   features_string (sb->feature_compat, false, features, sizeof features);
-  json_words (j, "feature_compat_decoded", features);
-  json_u64 (j, "feature_incompat", sb->feature_incompat);
+  jw_words (j, "feature_compat_decoded", features);
+  jw_u64 (j, "feature_incompat", sb->feature_incompat);
   features_string (sb->feature_incompat, true, features, sizeof features);
-  json_words (j, "feature_incompat_decoded", features);
-  json_u64 (j, "feature_ro_compat", sb->feature_ro_compat);
+  jw_words (j, "feature_incompat_decoded", features);
+  jw_u64 (j, "feature_ro_compat", sb->feature_ro_compat);
   features_string (sb->feature_ro_compat, false, features, sizeof features);
-  json_words (j, "feature_ro_compat_decoded", features);
-  json_u64 (j, "last_mount", sb->last_mount);
-  json_u64 (j, "nr_in_set", sb->nr_in_set);
-  json_u64 (j, "nr_this_dev", sb->nr_this_dev);
-  json_u64 (j, "nbuckets", sb->nbuckets);
-  json_u64 (j, "first_bucket", sb->first_bucket);
-  json_u64 (j, "block_size", sb->block_size);
-  json_u64 (j, "bucket_size", sb->bucket_size);
-  json_u64 (j, "njournal_buckets", sb->njournal_buckets);
-  json_open (j, "d", '[');
+  jw_words (j, "feature_ro_compat_decoded", features);
+  jw_u64 (j, "last_mount", sb->last_mount);
+  jw_u64 (j, "nr_in_set", sb->nr_in_set);
+  jw_u64 (j, "nr_this_dev", sb->nr_this_dev);
+  jw_u64 (j, "nbuckets", sb->nbuckets);
+  jw_u64 (j, "first_bucket", sb->first_bucket);
+  jw_u64 (j, "block_size", sb->block_size);
+  jw_u64 (j, "bucket_size", sb->bucket_size);
+  jw_u64 (j, "njournal_buckets", sb->njournal_buckets);
+  jw_open (j, "d", '[');
   for (unsigned i = 0;
        i < sb->njournal_buckets && i < BCH_SB_JOURNAL_BUCKETS; i++)
-    json_u64 (j, NULL, sb->d[i]);
-  json_close (j, ']');
-  json_close (j, '}');
+    jw_u64 (j, NULL, sb->d[i]);
+  jw_close (j, ']');
+  jw_close (j, '}');
 }
 
 static void
@@ -1016,57 +1087,56 @@ json_dev (struct json *j, const struct sb_view *v)
   size_t label_len = strnlen ((const char *) sb->label, BCH_SB_LABEL_SIZE);
   const char *rname = replacement_name (bch_sb_replacement (sb));
 
-  json_open (j, "dev", '{');
-  json_key (j, "label");
-  json_string (j->fp, (const char *) sb->label, label_len);
-  json_str (j, "uuid", v->uuid);
-  json_u64 (j, "sectors_per_block", sb->block_size);
-  json_u64 (j, "sectors_per_bucket", v->bucket_sectors);
-  json_open (j, "cache", '{');
-  json_u64 (j, "first_sector", v->cache_first_sector);
-  json_u64 (j, "cache_sectors", v->cache_sectors);
-  json_u64 (j, "total_sectors", v->total_sectors);
-  json_bool (j, "ordered", sb->flags & BCH_CACHE_SYNC);
-  json_bool (j, "discard", sb->flags & BCH_CACHE_DISCARD);
-  json_u64 (j, "pos", sb->nr_this_dev);
-  json_u64 (j, "replacement", bch_sb_replacement (sb));
-  json_str (j, "replacement_name", rname);
-  json_close (j, '}');
-  json_close (j, '}');
+  jw_open (j, "dev", '{');
+  jw_strn (j, "label", (const char *) sb->label, label_len);
+  jw_str (j, "uuid", v->uuid);
+  jw_u64 (j, "sectors_per_block", sb->block_size);
+  jw_u64 (j, "sectors_per_bucket", v->bucket_sectors);
+  jw_open (j, "cache", '{');
+  jw_u64 (j, "first_sector", v->cache_first_sector);
+  jw_u64 (j, "cache_sectors", v->cache_sectors);
+  jw_u64 (j, "total_sectors", v->total_sectors);
+  jw_bool (j, "ordered", sb->flags & BCH_CACHE_SYNC);
+  jw_bool (j, "discard", sb->flags & BCH_CACHE_DISCARD);
+  jw_u64 (j, "pos", sb->nr_this_dev);
+  jw_u64 (j, "replacement", bch_sb_replacement (sb));
+  jw_str (j, "replacement_name", rname);
+  jw_close (j, '}');
+  jw_close (j, '}');
 }
 
 static void
 json_cset (struct json *j, const struct sb_view *v)
 {
-  json_open (j, "cset", '{');
-  json_str (j, "uuid", v->set_uuid);
-  json_hex64 (j, "set_magic", v->set_magic);
-  json_hex64 (j, "jset_magic", v->jset_magic);
-  json_hex64 (j, "pset_magic", v->pset_magic);
-  json_hex64 (j, "bset_magic", v->bset_magic);
-  json_close (j, '}');
+  jw_open (j, "cset", '{');
+  jw_str (j, "uuid", v->set_uuid);
+  jw_hex64 (j, "set_magic", v->set_magic);
+  jw_hex64 (j, "jset_magic", v->jset_magic);
+  jw_hex64 (j, "pset_magic", v->pset_magic);
+  jw_hex64 (j, "bset_magic", v->bset_magic);
+  jw_close (j, '}');
 }
 
 static void
 json_layout (struct json *j, const struct sb_view *v)
 {
-  json_open (j, "layout", '{');
-  json_u64 (j, "block_bytes", v->block_bytes);
-  json_u64 (j, "bucket_bytes", v->bucket_bytes);
-  json_u64 (j, "nbuckets", v->sb->nbuckets);
-  json_u64 (j, "first_bucket", v->sb->first_bucket);
-  json_u64 (j, "btree_node_bytes", v->btree_node_bytes);
-  json_u64 (j, "prios_per_bucket", v->prios_per_bucket);
-  json_u64 (j, "prio_buckets", v->prio_buckets);
-  json_u64 (j, "uuids_per_bucket", v->uuids_per_bucket);
-  json_u64 (j, "journal_first_bucket", v->journal_first);
-  json_u64 (j, "journal_last_bucket", v->journal_last);
-  json_u64 (j, "journal_nbuckets", v->njournal);
-  json_bool (j, "journal_allocated", v->journal_allocated);
-  json_u64 (j, "device_bytes", v->device_bytes);
-  json_u64 (j, "cache_bytes", v->cache_bytes);
-  json_bool (j, "fits", v->device_bytes >= v->cache_bytes);
-  json_close (j, '}');
+  jw_open (j, "layout", '{');
+  jw_u64 (j, "block_bytes", v->block_bytes);
+  jw_u64 (j, "bucket_bytes", v->bucket_bytes);
+  jw_u64 (j, "nbuckets", v->sb->nbuckets);
+  jw_u64 (j, "first_bucket", v->sb->first_bucket);
+  jw_u64 (j, "btree_node_bytes", v->btree_node_bytes);
+  jw_u64 (j, "prios_per_bucket", v->prios_per_bucket);
+  jw_u64 (j, "prio_buckets", v->prio_buckets);
+  jw_u64 (j, "uuids_per_bucket", v->uuids_per_bucket);
+  jw_u64 (j, "journal_first_bucket", v->journal_first);
+  jw_u64 (j, "journal_last_bucket", v->journal_last);
+  jw_u64 (j, "journal_nbuckets", v->njournal);
+  jw_bool (j, "journal_allocated", v->journal_allocated);
+  jw_u64 (j, "device_bytes", v->device_bytes);
+  jw_u64 (j, "cache_bytes", v->cache_bytes);
+  jw_bool (j, "fits", v->device_bytes >= v->cache_bytes);
+  jw_close (j, '}');
 }
 
 static void
@@ -1074,15 +1144,15 @@ show_super_json (const struct sb_view *v)
 {
   struct json j = { .fp = stdout };
 
-  json_open (&j, NULL, '{');
-  json_str (&j, "device", v->dev->path);
-  json_str (&j, "status", v->status);
-  json_str (&j, "error", v->error);
+  jw_open (&j, NULL, '{');
+  jw_str (&j, "device", v->dev->path);
+  jw_str (&j, "status", v->status);
+  jw_str (&j, "error", v->error);
   json_sb (&j, v);
   json_dev (&j, v);
   json_cset (&j, v);
   json_layout (&j, v);
-  json_close (&j, '}');
+  jw_close (&j, '}');
   putchar ('\n');
 }
 
@@ -1191,34 +1261,34 @@ text_key (const struct bkey *k, unsigned level, struct bcf_cache *c,
 static void
 json_ptr (struct json *j, const char *key, uint64_t p, uint64_t bucket_sectors)
 {
-  json_open (j, key, '{');
-  json_u64 (j, "dev", PTR_DEV (p));
-  json_u64 (j, "offset", PTR_OFFSET (p));
-  json_u64 (j, "gen", PTR_GEN (p));
+  jw_open (j, key, '{');
+  jw_u64 (j, "dev", PTR_DEV (p));
+  jw_u64 (j, "offset", PTR_OFFSET (p));
+  jw_u64 (j, "gen", PTR_GEN (p));
   if (bucket_sectors)
-    json_u64 (j, "bucket", PTR_OFFSET (p) / bucket_sectors);
-  json_close (j, '}');
+    jw_u64 (j, "bucket", PTR_OFFSET (p) / bucket_sectors);
+  jw_close (j, '}');
 }
 
 static void
 json_bkey (struct json *j, const struct bkey *k, unsigned level,
            struct bcf_cache *c, uint64_t bucket_sectors)
 {
-  json_open (j, NULL, '{');
-  json_u64 (j, "inode", KEY_INODE (k));
-  json_u64 (j, "offset", KEY_OFFSET (k));
-  json_u64 (j, "size", KEY_SIZE (k));
+  jw_open (j, NULL, '{');
+  jw_u64 (j, "inode", KEY_INODE (k));
+  jw_u64 (j, "offset", KEY_OFFSET (k));
+  jw_u64 (j, "size", KEY_SIZE (k));
   if (level == 0)
-    json_u64 (j, "start", KEY_START (k));
-  json_bool (j, "dirty", KEY_DIRTY (k));
-  json_bool (j, "check", bkey_is_check (k));
+    jw_u64 (j, "start", KEY_START (k));
+  jw_bool (j, "dirty", KEY_DIRTY (k));
+  jw_bool (j, "check", bkey_is_check (k));
   if (c)
-    json_bool (j, "stale", key_stale (c, k));
-  json_open (j, "ptrs", '[');
+    jw_bool (j, "stale", key_stale (c, k));
+  jw_open (j, "ptrs", '[');
   for (unsigned i = 0; i < KEY_PTRS (k); i++)
     json_ptr (j, NULL, k->ptr[i], bucket_sectors);
-  json_close (j, ']');
-  json_close (j, '}');
+  jw_close (j, ']');
+  jw_close (j, '}');
 }
 
 /* ------------------------------------------------------------------------
@@ -1303,45 +1373,41 @@ json_jentry (struct json *j, const struct bcf_journal_scan *s,
              const struct bcf_journal_entry *e, uint64_t bucket_sectors,
              bool verbose)
 {
-  json_open (j, NULL, '{');
-  json_u64 (j, "bucket", e->bucket);
-  json_u64 (j, "index", e->index);
-  json_u64 (j, "offset", e->offset);
+  jw_open (j, NULL, '{');
+  jw_u64 (j, "bucket", e->bucket);
+  jw_u64 (j, "index", e->index);
+  jw_u64 (j, "offset", e->offset);
   if (e->bad) {
-    json_str (j, "error", e->msg);
-    json_u64 (j, "claimed_seq", e->claimed_seq);
-    json_str (j, "judged", bad_word (e->why));
-    json_close (j, '}');
+    jw_str (j, "error", e->msg);
+    jw_u64 (j, "claimed_seq", e->claimed_seq);
+    jw_str (j, "judged", bad_word (e->why));
+    jw_close (j, '}');
     return;
   }
-  json_u64 (j, "bytes", e->bytes);
-  json_u64 (j, "seq", e->hdr.seq);
-  json_u64 (j, "last_seq", e->hdr.last_seq);
-  json_u64 (j, "keys", e->nkeys);
-  json_u64 (j, "key_words", e->hdr.keys);
+  jw_u64 (j, "bytes", e->bytes);
+  jw_u64 (j, "seq", e->hdr.seq);
+  jw_u64 (j, "last_seq", e->hdr.last_seq);
+  jw_u64 (j, "keys", e->nkeys);
+  jw_u64 (j, "key_words", e->hdr.keys);
   if (KEY_PTRS (&e->hdr.btree_root.key))
     json_ptr (j, "btree_root", e->hdr.btree_root.key.ptr[0], bucket_sectors);
-  else {
-    json_key (j, "btree_root");
-    fputs ("null", j->fp);
-  }
-  json_u64 (j, "btree_level", e->hdr.btree_level);
+  else
+    jw_null (j, "btree_root");
+  jw_u64 (j, "btree_level", e->hdr.btree_level);
   if (KEY_PTRS (&e->hdr.uuid_bucket.key))
     json_ptr (j, "uuid_bucket", e->hdr.uuid_bucket.key.ptr[0],
               bucket_sectors);
-  else {
-    json_key (j, "uuid_bucket");
-    fputs ("null", j->fp);
-  }
-  json_u64 (j, "prio_bucket", e->hdr.prio_bucket[0]);
-  json_bool (j, "newest", e == s->newest);
-  json_bool (j, "needed", bcf_journal_needed (s, e));
-  json_str (j, "key_error", e->msg[0] ? e->msg : NULL);
+  else
+    jw_null (j, "uuid_bucket");
+  jw_u64 (j, "prio_bucket", e->hdr.prio_bucket[0]);
+  jw_bool (j, "newest", e == s->newest);
+  jw_bool (j, "needed", bcf_journal_needed (s, e));
+  jw_str (j, "key_error", e->msg[0] ? e->msg : NULL);
   if (verbose) {
     const uint8_t *p = (const uint8_t *) e->words;
     size_t w = 0;
 
-    json_open (j, "key_list", '[');
+    jw_open (j, "key_list", '[');
     while (w < e->hdr.keys) {
       struct bkey_padded b;
 
@@ -1350,9 +1416,9 @@ json_jentry (struct json *j, const struct bcf_journal_scan *s,
       json_bkey (j, &b.key, 0, NULL, bucket_sectors);
       w += bkey_u64s (&b.key);
     }
-    json_close (j, ']');
+    jw_close (j, ']');
   }
-  json_close (j, '}');
+  jw_close (j, '}');
 }
 
 static void
@@ -1363,40 +1429,40 @@ json_journal (const struct device *dev, const struct bcf_journal_scan *s,
   const uint64_t bucket_sectors = bch_sb_bucket_sectors (sb);
   struct json j = { .fp = stdout };
 
-  json_open (&j, NULL, '{');
-  json_str (&j, "device", dev->path);
-  json_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
-  json_u64 (&j, "block_bytes", (uint64_t) sb->block_size * BCH_SECTOR_SIZE);
-  json_hex64 (&j, "jset_magic", bch_jset_magic (sb));
-  json_open (&j, "journal_buckets", '[');
+  jw_open (&j, NULL, '{');
+  jw_str (&j, "device", dev->path);
+  jw_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
+  jw_u64 (&j, "block_bytes", (uint64_t) sb->block_size * BCH_SECTOR_SIZE);
+  jw_hex64 (&j, "jset_magic", bch_jset_magic (sb));
+  jw_open (&j, "journal_buckets", '[');
   for (unsigned i = 0; i < sb->njournal_buckets; i++)
-    json_u64 (&j, NULL, sb->d[i]);
-  json_close (&j, ']');
-  json_open (&j, "entries", '[');
+    jw_u64 (&j, NULL, sb->d[i]);
+  jw_close (&j, ']');
+  jw_open (&j, "entries", '[');
   for (size_t i = 0; i < s->n; i++)
     if (!s->entries[i].bad)
       json_jentry (&j, s, &s->entries[i], bucket_sectors, verbose);
-  json_close (&j, ']');
-  json_open (&j, "ignored", '[');
+  jw_close (&j, ']');
+  jw_open (&j, "ignored", '[');
   for (size_t i = 0; i < s->n; i++)
     if (s->entries[i].bad)
       json_jentry (&j, s, &s->entries[i], bucket_sectors, false);
-  json_close (&j, ']');
+  jw_close (&j, ']');
   if (s->newest) {
-    json_u64 (&j, "newest_seq", s->newest->hdr.seq);
-    json_u64 (&j, "last_seq", s->newest->hdr.last_seq);
+    jw_u64 (&j, "newest_seq", s->newest->hdr.seq);
+    jw_u64 (&j, "last_seq", s->newest->hdr.last_seq);
   }
-  json_open (&j, "missing", '[');
+  jw_open (&j, "missing", '[');
   for (size_t i = 0; i < s->ngaps && i < BCF_JOURNAL_LISTED; i++) {
-    json_open (&j, NULL, '{');
-    json_u64 (&j, "from", s->gaps[i].from);
-    json_u64 (&j, "to", s->gaps[i].to);
-    json_close (&j, '}');
+    jw_open (&j, NULL, '{');
+    jw_u64 (&j, "from", s->gaps[i].from);
+    jw_u64 (&j, "to", s->gaps[i].to);
+    jw_close (&j, '}');
   }
-  json_close (&j, ']');
-  json_str (&j, "status", s->status == BCF_JOURNAL_OK ? "ok" : "corrupt");
-  json_str (&j, "error", s->status == BCF_JOURNAL_OK ? NULL : s->msg);
-  json_close (&j, '}');
+  jw_close (&j, ']');
+  jw_str (&j, "status", s->status == BCF_JOURNAL_OK ? "ok" : "corrupt");
+  jw_str (&j, "error", s->status == BCF_JOURNAL_OK ? NULL : s->msg);
+  jw_close (&j, '}');
   putchar ('\n');
 }
 
@@ -1629,31 +1695,31 @@ json_node (struct btree_ctx *x, struct bcf_cache *c, const struct bcf_node *n,
 {
   struct json *j = x->j;
 
-  json_open (j, NULL, '{');
-  json_u64 (j, "level", n->level);
-  json_u64 (j, "bucket", n->bucket);
-  json_u64 (j, "gen", n->gen);
-  json_u64 (j, "keys", n->nkeys);
-  json_u64 (j, "written", n->written);
-  json_open (j, "range", '{');
-  json_open (j, "after", '{');
-  json_u64 (j, "inode", lo_inode);
-  json_u64 (j, "offset", lo_offset);
-  json_close (j, '}');
-  json_open (j, "to", '{');
-  json_u64 (j, "inode", n->inode);
-  json_u64 (j, "offset", n->offset);
-  json_close (j, '}');
-  json_close (j, '}');
+  jw_open (j, NULL, '{');
+  jw_u64 (j, "level", n->level);
+  jw_u64 (j, "bucket", n->bucket);
+  jw_u64 (j, "gen", n->gen);
+  jw_u64 (j, "keys", n->nkeys);
+  jw_u64 (j, "written", n->written);
+  jw_open (j, "range", '{');
+  jw_open (j, "after", '{');
+  jw_u64 (j, "inode", lo_inode);
+  jw_u64 (j, "offset", lo_offset);
+  jw_close (j, '}');
+  jw_open (j, "to", '{');
+  jw_u64 (j, "inode", n->inode);
+  jw_u64 (j, "offset", n->offset);
+  jw_close (j, '}');
+  jw_close (j, '}');
   if (n->level == 0)
-    json_u64 (j, "dirty_sectors", node_dirty);
+    jw_u64 (j, "dirty_sectors", node_dirty);
   if (x->opts->verbose) {
-    json_open (j, "key_list", '[');
+    jw_open (j, "key_list", '[');
     for (size_t i = 0; i < n->nkeys; i++)
       json_bkey (j, bcf_node_key (n, i), n->level, c, x->bucket_sectors);
-    json_close (j, ']');
+    jw_close (j, ']');
   }
-  json_close (j, '}');
+  jw_close (j, '}');
 }
 
 static int
@@ -1718,13 +1784,13 @@ mode_btree (const struct options *opts, const struct device *dev,
 
   depth = bcf_btree_root (c, &root, &level) ? level + 1 : 0;
   if (opts->json) {
-    json_open (&j, NULL, '{');
-    json_str (&j, "device", dev->path);
-    json_open (&j, "root", '{');
-    json_u64 (&j, "bucket", root);
-    json_u64 (&j, "level", level);
-    json_close (&j, '}');
-    json_open (&j, "nodes", '[');
+    jw_open (&j, NULL, '{');
+    jw_str (&j, "device", dev->path);
+    jw_open (&j, "root", '{');
+    jw_u64 (&j, "bucket", root);
+    jw_u64 (&j, "level", level);
+    jw_close (&j, '}');
+    jw_open (&j, "nodes", '[');
   }
   else
     printf ("btree of %s: root bucket %" PRIu64 " level %u\n", dev->path,
@@ -1732,15 +1798,15 @@ mode_btree (const struct options *opts, const struct device *dev,
   r = bcf_btree_walk (c, show_node, &x);
 
   if (opts->json) {
-    json_close (&j, ']');
-    json_open (&j, "summary", '{');
-    json_u64 (&j, "nodes", x.nodes);
-    json_u64 (&j, "depth", depth);
-    json_u64 (&j, "keys", x.keys);
-    json_u64 (&j, "check_keys", x.check_keys);
-    json_u64 (&j, "dirty_sectors", x.dirty_sectors);
-    json_close (&j, '}');
-    json_close (&j, '}');
+    jw_close (&j, ']');
+    jw_open (&j, "summary", '{');
+    jw_u64 (&j, "nodes", x.nodes);
+    jw_u64 (&j, "depth", depth);
+    jw_u64 (&j, "keys", x.keys);
+    jw_u64 (&j, "check_keys", x.check_keys);
+    jw_u64 (&j, "dirty_sectors", x.dirty_sectors);
+    jw_close (&j, '}');
+    jw_close (&j, '}');
     putchar ('\n');
   }
   else
@@ -1838,30 +1904,30 @@ mode_buckets (const struct options *opts, const struct device *dev,
   if (opts->json) {
     struct json j = { .fp = stdout };
 
-    json_open (&j, NULL, '{');
-    json_str (&j, "device", dev->path);
-    json_u64 (&j, "nbuckets", nb);
-    json_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
-    json_u64 (&j, "first_bucket", first_bucket);
+    jw_open (&j, NULL, '{');
+    jw_str (&j, "device", dev->path);
+    jw_u64 (&j, "nbuckets", nb);
+    jw_u64 (&j, "bucket_bytes", bucket_sectors * BCH_SECTOR_SIZE);
+    jw_u64 (&j, "first_bucket", first_bucket);
 #define JSON_SHARE(name, n)                             \
-    json_open (&j, name, '{');                          \
-    json_u64 (&j, "buckets", n);                        \
-    json_u64 (&j, "percent", percent (n, nb));          \
-    json_close (&j, '}')
+    jw_open (&j, name, '{');                          \
+    jw_u64 (&j, "buckets", n);                        \
+    jw_u64 (&j, "percent", percent (n, nb));          \
+    jw_close (&j, '}')
     JSON_SHARE ("unused", unused);
     JSON_SHARE ("clean", clean);
     JSON_SHARE ("dirty", dirty);
     JSON_SHARE ("metadata", meta);
 #undef JSON_SHARE
-    json_u64 (&j, "data_buckets", ndata);
-    json_u64 (&j, "average", average);
-    json_u64 (&j, "prio_average", prio_average);
-    json_u64 (&j, "sectors_per_q", sectors_per_q);
-    json_open (&j, "quantiles", '[');
+    jw_u64 (&j, "data_buckets", ndata);
+    jw_u64 (&j, "average", average);
+    jw_u64 (&j, "prio_average", prio_average);
+    jw_u64 (&j, "sectors_per_q", sectors_per_q);
+    jw_open (&j, "quantiles", '[');
     for (unsigned i = 0; i < NQUANTILES; i++)
-      json_u64 (&j, NULL, q[i]);
-    json_close (&j, ']');
-    json_close (&j, '}');
+      jw_u64 (&j, NULL, q[i]);
+    jw_close (&j, ']');
+    jw_close (&j, '}');
     putchar ('\n');
   }
   else {
@@ -1903,12 +1969,23 @@ is_note (const char *line)
   return strncmp (line, NOTE_PREFIX, NOTE_PREFIX_LEN) == 0;
 }
 
+/* A figure of the engine's statistics, by its name in the table
+ * (bcachefilter/stats.h): 0 if the snapshot has none. */
+static uint64_t
+stat_u64 (const struct bcf_snapshot *snap, const char *name)
+{
+  struct bcf_stat_value v;
+
+  return snap && bcf_stat_get (snap, bcf_stat_find (name), BCF_VIEW_TOTAL,
+                               &v) ? v.u : 0;
+}
+
 static int
 mode_fsck (const struct options *opts, const struct device *dev,
            int load_status)
 {
   struct bcf_cache *c;
-  struct bcf_cache_stats st;
+  struct bcf_snapshot *snap;
   struct progress pr;
   char *report;
   uint64_t nodes, keys, buckets;
@@ -1932,10 +2009,13 @@ mode_fsck (const struct options *opts, const struct device *dev,
   }
   problems = bcf_cache_fsck (c, report, FSCK_REPORT_BYTES);
   progress_end (&pr);
-  bcf_cache_stats (c, &st);
-  nodes = st.btree_nodes;
-  keys = st.btree_keys;
-  buckets = st.nbuckets;
+  snap = bcf_snapshot_take (c, NULL);
+  if (snap == NULL)
+    problems = -ENOMEM;
+  nodes = stat_u64 (snap, "btree_nodes");
+  keys = stat_u64 (snap, "btree_keys");
+  buckets = stat_u64 (snap, "nbuckets");
+  bcf_snapshot_free (snap);
   bcf_cache_close (c);
   if (problems < 0) {
     device_error (dev->path, "fsck: out of memory");
@@ -1947,37 +2027,34 @@ mode_fsck (const struct options *opts, const struct device *dev,
     struct json j = { .fp = stdout };
     const char *p = report;
 
-    json_open (&j, NULL, '{');
-    json_str (&j, "device", dev->path);
-    json_str (&j, "status", problems ? "inconsistent" : "clean");
-    json_u64 (&j, "nodes", nodes);
-    json_u64 (&j, "keys", keys);
-    json_u64 (&j, "buckets", buckets);
-    json_u64 (&j, "problem_count", (uint64_t) problems);
-    json_open (&j, "problems", '[');
+    jw_open (&j, NULL, '{');
+    jw_str (&j, "device", dev->path);
+    jw_str (&j, "status", problems ? "inconsistent" : "clean");
+    jw_u64 (&j, "nodes", nodes);
+    jw_u64 (&j, "keys", keys);
+    jw_u64 (&j, "buckets", buckets);
+    jw_u64 (&j, "problem_count", (uint64_t) problems);
+    jw_open (&j, "problems", '[');
     while (*p) {
       size_t len = strcspn (p, "\n");
       if (!is_note (p)) {
-        json_key (&j, NULL);
-        json_string (stdout, p, len);
+        jw_strn (&j, NULL, p, len);
         lines++;
       }
       p += len;
       p += *p == '\n';
     }
-    json_close (&j, ']');
-    json_open (&j, "notes", '[');
+    jw_close (&j, ']');
+    jw_open (&j, "notes", '[');
     for (p = report; *p; ) {
       size_t len = strcspn (p, "\n");
-      if (is_note (p)) {
-        json_key (&j, NULL);
-        json_string (stdout, p + NOTE_PREFIX_LEN, len - NOTE_PREFIX_LEN);
-      }
+      if (is_note (p))
+        jw_strn (&j, NULL, p + NOTE_PREFIX_LEN, len - NOTE_PREFIX_LEN);
       p += len;
       p += *p == '\n';
     }
-    json_close (&j, ']');
-    json_close (&j, '}');
+    jw_close (&j, ']');
+    jw_close (&j, '}');
     putchar ('\n');
   }
   else {

@@ -30,6 +30,7 @@
 
 #include "bcachefilter/backing.h"
 #include "bcachefilter/format.h"
+#include "bcachefilter/stats.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -252,6 +253,9 @@ int bcf_cache_check_device (struct bcf_cache *c);
 /* Cache-device I/Os done since open, failed ones included (what
  * bcache's error half-life is counted in). */
 uint64_t bcf_cache_device_ios (const struct bcf_cache *c);
+/* Of those, the ones that failed (injected test faults included): the
+ * device_errors of the statistics. */
+uint64_t bcf_cache_device_errors (const struct bcf_cache *c);
 
 /* ---- Reads ------------------------------------------------------------- */
 
@@ -431,21 +435,7 @@ int bcf_cache_checkpoint (struct bcf_cache *c);
 
 /* ---- Statistics ---------------------------------------------------------- */
 
-/* Durations, like bcache's time_stats: count, total (for the average),
- * max, the last one, and a log-scale histogram: hist[0] counts those
- * under 1 us, hist[i] (i >= 1) those in [2^(i-1), 2^i) us, and the last
- * bucket everything from 2^(BCF_TIME_HIST-2) us (about 1 s) up. */
-#define BCF_TIME_HIST 22
-struct bcf_time_stat {
-  uint64_t count;
-  uint64_t total_ns;
-  uint64_t max_ns;
-  uint64_t last_ns;
-  uint64_t hist[BCF_TIME_HIST];
-};
-/* The lower bound in microseconds of histogram bucket i (0 for i = 0). */
-uint64_t bcf_time_hist_floor_us (unsigned i);
-
+/* Durations (struct bcf_time_stat) and the decayed counters: stats.h. */
 struct bcf_cache_stats {
   uint64_t nbuckets, bucket_bytes, block_bytes;
   uint64_t buckets_free, buckets_clean, buckets_dirty, buckets_meta;
@@ -453,7 +443,9 @@ struct bcf_cache_stats {
   uint64_t btree_evictions, btree_loads;  /* node cache */
   uint64_t dirty_sectors;
   uint64_t journal_seq, journal_last_seq, journal_writes;
-  uint64_t miss_collisions, read_races;   /* hits and misses: stats.h */
+  /* Totals of the cache's decayed counters (bcf_cache_counters): every
+   * other request counter is there too, with bcache's views. */
+  uint64_t miss_collisions, read_races;
   uint64_t inserts;              /* data inserted: fills, bcf_insert */
   uint64_t dirty_inserts;        /* writes inserted as dirty keys */
   uint64_t intent_regions;       /* write-intent regions marked now */
@@ -464,6 +456,9 @@ struct bcf_cache_stats {
   /* The export barrier (bcf_cache_set_export): flushes of the export a
    * checkpoint made before writing clean keys, and those that failed. */
   uint64_t export_flushes, export_flush_errors;
+  /* Cache-device I/Os that failed (bcache's errors), injected test
+   * faults included: every failed read, write and flush, whoever made it
+   * (requests, fills, the journal, GC, the writeback). */
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;
@@ -486,6 +481,13 @@ struct bcf_cache_stats {
 };
 
 void bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st);
+/* The cache's counters with bcache's decayed views and the request
+ * latency histograms (stats.h): owned by the cache, so that the engine
+ * and the request layer count each event once, in one place. */
+struct bcf_stats *bcf_cache_counters (struct bcf_cache *c);
+/* Zero the time stats above (gc, btree_split, ...: count, total, max,
+ * last and histogram), for clear_stats (bcf_stats_clear_all). */
+void bcf_cache_clear_time_stats (struct bcf_cache *c);
 
 /* bcache's congested_read_threshold_us / congested_write_threshold_us:
  * cache-device reads slower than read_us, and writes or flushes slower

@@ -266,7 +266,7 @@ struct bcf_req_stats {
 };
 void bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st);
 /* The counters with bcache's decayed views. */
-struct bcf_stats *bcf_req_counters (struct bcf_req *r);
+struct bcf_stats *bcf_req_counters (struct bcf_req *r);   /* the cache's */
 
 /* Wait until every cache fill queued so far has been done.  Fills run in
  * the background so that clients need not wait for them; bcf_req_flush

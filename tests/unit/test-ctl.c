@@ -51,6 +51,7 @@ extern char **environ;
  * snapshot "seen", taken under the lock after each exchange. */
 struct record {
   int stats, set, gc, super;        /* calls */
+  int prometheus, clear;            /* ... of the statistics' commands */
   bool json;                        /* of the last stats / show_super */
   char name[64], value[64];         /* of the last set */
   bool fail;                        /* make every call fail */
@@ -136,6 +137,31 @@ op_super (FILE *fp, bool json, char *err, size_t errlen)
   rec.json = json;
   pthread_mutex_unlock (&rec_lock);
   fputs (json ? "{\"sb\":{}}\n" : "sb.magic\t\tok\n", fp);
+  return 0;
+}
+
+static int
+op_prometheus (FILE *fp, bool json, char *err, size_t errlen)
+{
+  pthread_mutex_lock (&rec_lock);
+  rec.prometheus++;
+  rec.json = json;
+  pthread_mutex_unlock (&rec_lock);
+  fputs ("# HELP bcachefilter_x X.\n# TYPE bcachefilter_x gauge\n"
+         "bcachefilter_x 1\n", fp);
+  return 0;
+}
+
+static int
+op_clear (char *err, size_t errlen)
+{
+  pthread_mutex_lock (&rec_lock);
+  rec.clear++;
+  pthread_mutex_unlock (&rec_lock);
+  if (rec_fail ()) {
+    snprintf (err, errlen, "cannot clear");
+    return -1;
+  }
   return 0;
 }
 
@@ -576,6 +602,70 @@ START_TEST (test_commands)
   /* Only the first line counts. */
   expect_reply ("trigger_gc\nset cache_mode none\n", "ok\n");
   ck_assert_str_eq (seen.value, "18446744072635809792");
+}
+END_TEST
+
+/* stats --prometheus and clear_stats reach their ops; their usage, and
+ * a filter without them; and through the tool. */
+START_TEST (test_stats_commands)
+{
+  static const struct bcf_ctl_ops more = {
+    .stats = op_stats, .prometheus = op_prometheus, .clear_stats = op_clear,
+  };
+  static const char prom[] =
+    "# HELP bcachefilter_x X.\n# TYPE bcachefilter_x gauge\nbcachefilter_x 1\n";
+  char err[256], expect[256];
+  struct run r;
+
+  ck_assert_int_eq (bcf_ctl_start (sock, &more, err, sizeof err), 0);
+  snprintf (expect, sizeof expect, "ok\n%s", prom);
+  expect_reply ("stats --prometheus\n", expect);
+  ck_assert_int_eq (seen.prometheus, 1);
+  ck_assert (!seen.json);
+  ck_assert_int_eq (seen.stats, 0);
+  expect_reply ("clear_stats\n", "ok\n");
+  ck_assert_int_eq (seen.clear, 1);
+  expect_reply ("clear_stats\n", "ok\n");
+  ck_assert_int_eq (seen.clear, 2);
+  expect_prefix ("clear_stats now\n", "error: usage: clear_stats (no "
+                 "arguments)");
+  expect_prefix ("stats --prometheus --json\n",
+                 "error: usage: stats [--json], or stats --prometheus");
+  expect_prefix ("stats --Prometheus\n", "error: usage: stats");
+  expect_prefix ("frobnicate\n", "error: unknown command 'frobnicate'; "
+                 "valid commands: stats [--json], set NAME VALUE, trigger_gc, "
+                 "writeback_flush, detach, detach_status, show super [--json], "
+                 "stats --prometheus, clear_stats, help");
+  ck_assert_int_eq (seen.clear, 2);
+  ck_assert_int_eq (seen.prometheus, 1);
+  set_fail (true);
+  expect_reply ("clear_stats\n", "error: cannot clear\n");
+  set_fail (false);
+
+  r = run_ctl (sock, "stats", "--prometheus", NULL);
+  ck_assert_int_eq (r.status, 0);
+  ck_assert_str_eq (r.out, prom);
+  free_run (&r);
+  r = run_ctl (sock, "clear_stats", NULL);
+  ck_assert_int_eq (r.status, 0);
+  ck_assert_str_eq (r.out, "");
+  ck_assert_int_eq (seen.clear, 4);
+  free_run (&r);
+  r = run_ctl (sock, "clear_stats", "now", NULL);
+  ck_assert_int_eq (r.status, 2);
+  ck_assert_int_eq (seen.clear, 4);
+  free_run (&r);
+  r = run_ctl (sock, "stats", "--prometheus", "--json", NULL);
+  ck_assert_int_eq (r.status, 2);
+  ck_assert_int_eq (seen.prometheus, 2);
+  free_run (&r);
+  bcf_ctl_stop ();
+
+  /* Not there: said so. */
+  start ();
+  expect_prefix ("stats --prometheus\n",
+                 "error: stats --prometheus is not supported");
+  expect_prefix ("clear_stats\n", "error: clear_stats is not supported");
 }
 END_TEST
 
@@ -1226,6 +1316,7 @@ ctl_suite (void)
   tcase_add_test (tc, test_non_socket_refused);
   tcase_add_test (tc, test_check_path);
   tcase_add_test (tc, test_commands);
+  tcase_add_test (tc, test_stats_commands);
   tcase_add_test (tc, test_bad_commands);
   tcase_add_test (tc, test_ops_errors);
   tcase_add_test (tc, test_malformed);

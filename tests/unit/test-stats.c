@@ -6,7 +6,9 @@
  * then five_minute is scaled by 31/32 (integer division) every tick, hour
  * every 12 ticks and day every 288; a view shows x >> 16.  The thread
  * tests check that no add is lost, neither in the total nor through the
- * collector while ticks run concurrently.
+ * collector while ticks run concurrently.  Then the latency histograms
+ * (buckets, quantiles, no record lost across the shards), clear_stats,
+ * and the table of descriptors.
  */
 #include "config.h"
 
@@ -356,6 +358,138 @@ START_TEST (test_threads_ticks)
 }
 END_TEST
 
+/* The latency histograms: buckets as bcf_time_stat's (hist[0] under
+ * 1 us, hist[i] in [2^(i-1), 2^i) us), count, sum and max exact, and
+ * the quantiles inside the right bucket, never above the max. */
+START_TEST (test_latency_buckets)
+{
+  struct bcf_stats *s = bcf_stats_new ();
+  struct bcf_time_stat t;
+
+  for (int i = 0; i < 98; i++)
+    bcf_stats_latency (s, BCF_LAT_READ_HIT, 3000);      /* [2, 4) us */
+  bcf_stats_latency (s, BCF_LAT_READ_HIT, 500);         /* < 1 us */
+  bcf_stats_latency (s, BCF_LAT_READ_HIT, 5000000);     /* [4096, 8192) us */
+  bcf_stats_latency (s, BCF_LAT_WRITE, 7);
+  bcf_stats_latency_get (s, BCF_LAT_READ_HIT, &t);
+  ck_assert_uint_eq (t.count, 100);
+  ck_assert_uint_eq (t.total_ns, 98 * 3000 + 500 + 5000000);
+  ck_assert_uint_eq (t.max_ns, 5000000);
+  ck_assert_uint_eq (t.hist[0], 1);
+  ck_assert_uint_eq (t.hist[2], 98);
+  ck_assert_uint_eq (t.hist[13], 1);
+  ck_assert_uint_ge (bcf_time_stat_quantile_ns (&t, 0.5), 2000);
+  ck_assert_uint_lt (bcf_time_stat_quantile_ns (&t, 0.5), 4000);
+  ck_assert_uint_le (bcf_time_stat_quantile_ns (&t, 0.99), 4000);
+  ck_assert_uint_ge (bcf_time_stat_quantile_ns (&t, 1.0), 4096000);
+  ck_assert_uint_le (bcf_time_stat_quantile_ns (&t, 1.0), 5000000);
+  bcf_stats_latency_get (s, BCF_LAT_WRITE, &t);
+  ck_assert_uint_eq (t.count, 1);
+  ck_assert_uint_eq (t.hist[0], 1);
+  bcf_stats_latency_get (s, BCF_LAT_FLUSH, &t);
+  ck_assert_uint_eq (t.count, 0);
+  ck_assert_uint_eq (bcf_time_stat_quantile_ns (&t, 0.5), 0);
+  bcf_stats_free (s);
+}
+END_TEST
+
+#define LAT_THREADS 8
+#define LAT_PER_THREAD 100000
+
+static void *
+lat_thread (void *arg)
+{
+  for (unsigned i = 0; i < LAT_PER_THREAD; i++)
+    bcf_stats_latency (arg, BCF_LAT_READ_MISS, 1000 + i % 5000);
+  return NULL;
+}
+
+/* No record is lost across the shards, whichever threads share one. */
+START_TEST (test_latency_threads)
+{
+  struct bcf_stats *s = bcf_stats_new ();
+  pthread_t th[LAT_THREADS];
+  struct bcf_time_stat t;
+  uint64_t sum = 0;
+
+  for (int i = 0; i < LAT_THREADS; i++)
+    ck_assert_int_eq (pthread_create (&th[i], NULL, lat_thread, s), 0);
+  for (int i = 0; i < LAT_THREADS; i++)
+    pthread_join (th[i], NULL);
+  bcf_stats_latency_get (s, BCF_LAT_READ_MISS, &t);
+  ck_assert_uint_eq (t.count, (uint64_t) LAT_THREADS * LAT_PER_THREAD);
+  for (unsigned b = 0; b < BCF_TIME_HIST; b++)
+    sum += t.hist[b];
+  ck_assert_uint_eq (sum, t.count);
+  ck_assert_uint_eq (t.max_ns, 1000 + 4999);
+  bcf_stats_free (s);
+}
+END_TEST
+
+/* clear_stats: the totals, the decayed views and the histograms start
+ * from zero, and count again. */
+START_TEST (test_clear)
+{
+  struct bcf_stats *s = new_fake (1000);
+  struct bcf_time_stat t;
+
+  bcf_stats_add (s, BCF_STAT_HITS, 1000);
+  bcf_stats_latency (s, BCF_LAT_FLUSH, 123456);
+  at (1000, 2 * TICK);
+  ck_assert_uint_gt (view (s, BCF_VIEW_DAY, BCF_STAT_HITS), 0);
+  bcf_stats_add (s, BCF_STAT_HITS, 5);          /* in the collector */
+  bcf_stats_clear (s);
+  for (int v = 0; v < BCF_VIEW__COUNT; v++)
+    ck_assert_uint_eq (view (s, v, BCF_STAT_HITS), 0);
+  bcf_stats_latency_get (s, BCF_LAT_FLUSH, &t);
+  ck_assert_uint_eq (t.count, 0);
+  ck_assert_uint_eq (t.max_ns, 0);
+  at (1000, 4 * TICK);
+  ck_assert_uint_eq (view (s, BCF_VIEW_DAY, BCF_STAT_HITS), 0);
+  bcf_stats_add (s, BCF_STAT_HITS, 7);
+  bcf_stats_latency (s, BCF_LAT_FLUSH, 10);
+  at (1000, 5 * TICK);
+  ck_assert_uint_eq (view (s, BCF_VIEW_TOTAL, BCF_STAT_HITS), 7);
+  ck_assert_uint_eq (view (s, BCF_VIEW_DAY, BCF_STAT_HITS), 7);
+  bcf_stats_latency_get (s, BCF_LAT_FLUSH, &t);
+  ck_assert_uint_eq (t.count, 1);
+  ck_assert_uint_eq (t.max_ns, 10);
+  bcf_stats_free (s);
+}
+END_TEST
+
+/* The table: names unique, every counter of bcache's views in it under
+ * its name, and found by name. */
+START_TEST (test_descs)
+{
+  size_t n;
+  const struct bcf_stat_desc *d = bcf_stat_descs (&n);
+
+  ck_assert_uint_gt (n, 100);
+  for (size_t i = 0; i < n; i++) {
+    ck_assert_ptr_nonnull (d[i].help);
+    ck_assert_uint_gt (strlen (d[i].help), 10);
+    ck_assert_ptr_eq (bcf_stat_find (d[i].name), &d[i]);
+    for (size_t j = i + 1; j < n; j++)
+      ck_assert_str_ne (d[i].name, d[j].name);
+  }
+  for (int k = 0; k < BCF_STAT__COUNT; k++) {
+    const struct bcf_stat_desc *c = bcf_stat_find (bcf_stat_name (k));
+
+    ck_assert_ptr_nonnull (c);
+    ck_assert_int_eq (c->kind, BCF_KIND_COUNTER);
+    ck_assert_int_eq (c->section, BCF_SECTION_VIEWS);
+  }
+  ck_assert_int_eq (bcf_stat_find ("dirty_data")->kind, BCF_KIND_GAUGE);
+  ck_assert_int_eq (bcf_stat_find ("gc")->kind, BCF_KIND_TIME);
+  ck_assert_int_eq (bcf_stat_find ("latency_write")->kind,
+                    BCF_KIND_HISTOGRAM);
+  ck_assert_int_eq (bcf_stat_find ("device_errors")->flags,
+                    BCF_STAT_JSON_TOP);
+  ck_assert_ptr_null (bcf_stat_find ("no_such_statistic"));
+}
+END_TEST
+
 static Suite *
 stats_suite (void)
 {
@@ -372,6 +506,10 @@ stats_suite (void)
   tcase_add_test (tc, test_real_clock);
   tcase_add_test (tc, test_threads_total);
   tcase_add_test (tc, test_threads_ticks);
+  tcase_add_test (tc, test_latency_buckets);
+  tcase_add_test (tc, test_latency_threads);
+  tcase_add_test (tc, test_clear);
+  tcase_add_test (tc, test_descs);
   suite_add_tcase (s, tc);
   return s;
 }
