@@ -31,6 +31,21 @@
 
 /* ---- open / close -------------------------------------------------------------- */
 
+/* What bcf_cache_open set up besides the device and the tree: the one
+ * teardown of a failed open, a close and a test crash. */
+static void
+cache_free (struct bcf_cache *c)
+{
+  gc_free (c);
+  intent_free (c);
+  pthread_rwlock_destroy (&c->tree_lock);
+  pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->export_lock);
+  pthread_mutex_destroy (&c->stats.time_lock);
+  bcf_stats_free (c->counters);
+  free (c);
+}
+
 int
 bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
                 char *err, size_t errlen)
@@ -108,14 +123,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   if (c->io)
     super_close_state (c);
   bcf_io_close (c->io);
-  gc_free (c);
-  intent_free (c);
-  pthread_rwlock_destroy (&c->tree_lock);
-  pthread_mutex_destroy (&c->ckpt_lock);
-  pthread_mutex_destroy (&c->export_lock);
-  pthread_mutex_destroy (&c->stats.time_lock);
-  bcf_stats_free (c->counters);
-  free (c);
+  cache_free (c);
   return r;
 }
 
@@ -137,14 +145,7 @@ bcf_cache_close (struct bcf_cache *c)
   r2 = bcf_io_close (c->io);
   if (r == 0)
     r = r2;
-  gc_free (c);
-  intent_free (c);
-  pthread_rwlock_destroy (&c->tree_lock);
-  pthread_mutex_destroy (&c->ckpt_lock);
-  pthread_mutex_destroy (&c->export_lock);
-  pthread_mutex_destroy (&c->stats.time_lock);
-  bcf_stats_free (c->counters);
-  free (c);
+  cache_free (c);
   return r;
 }
 
@@ -222,14 +223,7 @@ bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode)
   r = bcf_io_crash (c->io, seed, (enum bcf_io_crash_mode) mode);
   c->io = NULL;
   super_close_state (c);
-  gc_free (c);
-  intent_free (c);
-  pthread_rwlock_destroy (&c->tree_lock);
-  pthread_mutex_destroy (&c->ckpt_lock);
-  pthread_mutex_destroy (&c->export_lock);
-  pthread_mutex_destroy (&c->stats.time_lock);
-  bcf_stats_free (c->counters);
-  free (c);
+  cache_free (c);
   return r;
 }
 
