@@ -79,6 +79,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
+#include "tool-msg.h"
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/format.h"
@@ -117,19 +118,8 @@ struct options {
   bool verbose;
 };
 
-static void __attribute__ ((format (printf, 2, 3)))
-device_error (const char *path, const char *fs, ...)
-{
-  const int saved_errno = errno;
-  va_list args;
-
-  fprintf (stderr, "%s: %s: ", PROGRAM_NAME, path);
-  errno = saved_errno;
-  va_start (args, fs);
-  vfprintf (stderr, fs, args);
-  va_end (args);
-  fputc ('\n', stderr);
-}
+/* "PROGRAM: DEVICE: message\n" on stderr. */
+DEFINE_DEVICE_ERROR
 
 static void __attribute__ ((format (printf, 1, 2)))
 usage_error (const char *fs, ...)

@@ -111,6 +111,7 @@
 #include <json.h>
 #include <libnbd.h>
 
+#include "tool-msg.h"
 #include "bcachefilter/cache.h"
 #include "bcachefilter/claim.h"
 #include "bcachefilter/cleanup.h"
@@ -142,20 +143,8 @@ enum {
  * Small helpers
  * ------------------------------------------------------------------------ */
 
-/* "bcachefilter-show: DEVICE: message\n" on stderr. */
-static void __attribute__ ((format (printf, 2, 3)))
-device_error (const char *path, const char *fs, ...)
-{
-  const int saved_errno = errno;   /* for %m in fs */
-  va_list args;
-
-  fprintf (stderr, "%s: %s: ", PROGRAM_NAME, path);
-  errno = saved_errno;
-  va_start (args, fs);
-  vfprintf (stderr, fs, args);
-  va_end (args);
-  fputc ('\n', stderr);
-}
+/* "PROGRAM: DEVICE: message\n" on stderr. */
+DEFINE_DEVICE_ERROR
 
 /* Progress on stderr, only when stderr is a terminal: "LABEL: N%" on
  * one line, rewritten at most four times a second, erased at the end.
