@@ -416,37 +416,71 @@ intent_marked (struct bcf_cache *c)
 
 /* ---- recovery ------------------------------------------------------------------------ */
 
-/* The marks in the tree: up to max region numbers, from region from on.
- * Under tree_lock (any). */
-static unsigned
+/* The marks in the tree: up to max region numbers, from region from on,
+ * into out, their count into *n.  Under tree_lock (any).  Returns false,
+ * with *need set, at a leaf that is not in memory: the caller drops the
+ * lock, loads it (btree_load_evicted) and walks again.  An evicted leaf
+ * is not an empty one: the open that follows a crash commits the
+ * replayed tree before it recovers the marks when the journal is tight
+ * (super.c), and that checkpoint evicts clean leaves if the node cache
+ * is small; a mark missed there leaves its region's suspect clean data
+ * cached, to be served after the crash. */
+static bool
 marks_locked (struct bcf_cache *c, uint64_t from, uint64_t *out,
-              unsigned max)
+              unsigned max, unsigned *n, struct ckey *need)
 {
   uint64_t pos = from * INTENT_REGION_SECTORS;
-  unsigned n = 0;
 
-  while (n < max) {
+  *n = 0;
+  while (*n < max) {
     struct btree_node *leaf = btree_find_leaf (c, INTENT_INODE, pos + 1);
     const struct keyset *ks;
 
-    if (!leaf || leaf->evicted)
+    if (!leaf)
       break;
+    if (leaf->evicted) {
+      *need = leaf->key;
+      return false;
+    }
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, INTENT_INODE, pos);
-         i < ks->nr && n < max; i++) {
+         i < ks->nr && *n < max; i++) {
       const struct ckey *k = &ks->k[i];
       if (ckey_inode (k) != INTENT_INODE)
         break;
       if (ckey_is_check (k)) {
-        out[n++] = ckey_start (k) / INTENT_REGION_SECTORS;
+        out[(*n)++] = ckey_start (k) / INTENT_REGION_SECTORS;
         pos = ckey_end (k);
       }
     }
-    if (ckey_inode (&leaf->key) != INTENT_INODE || n == max)
+    if (ckey_inode (&leaf->key) != INTENT_INODE || *n == max)
       break;
     pos = ckey_end (&leaf->key);
   }
-  return n;
+  return true;
+}
+
+/* marks_locked, reading back the leaves it needs.  Returns 0 or -errno
+ * (a leaf could not be read). */
+static int
+marks (struct bcf_cache *c, uint64_t from, uint64_t *out, unsigned max,
+       unsigned *n)
+{
+  for (;;) {
+    struct ckey need;
+    bool done;
+    int r;
+
+    pthread_rwlock_rdlock (&c->tree_lock);
+    done = marks_locked (c, from, out, max, n, &need);
+    pthread_rwlock_unlock (&c->tree_lock);
+    if (done)
+      return 0;
+    if ((r = btree_load_evicted (c, &need)) < 0) {
+      *n = 0;
+      return r;
+    }
+  }
 }
 
 _Static_assert (BCF_INTENT_REGION_BYTES ==
@@ -459,29 +493,43 @@ bcf_cache_intent_marks (struct bcf_cache *c, uint64_t from, uint64_t *out,
 {
   unsigned n;
 
-  pthread_rwlock_rdlock (&c->tree_lock);
-  n = marks_locked (c, from / BCF_INTENT_REGION_BYTES, out, max);
-  pthread_rwlock_unlock (&c->tree_lock);
+  /* A leaf that cannot be read back: none listed (an error the open's
+   * load would have reported already). */
+  marks (c, from / BCF_INTENT_REGION_BYTES, out, max, &n);
   for (unsigned i = 0; i < n; i++)
     out[i] *= BCF_INTENT_REGION_BYTES;
   return n;
 }
 
 /* The clean data keys of [s, e) of inode c->inode, up to max (a region
- * holds at most its sectors' worth).  Under tree_lock (any). */
+ * holds at most its sectors' worth); *next: where the walk stopped.
+ * Under tree_lock (any).  A leaf that is not in memory stops the walk at
+ * its start, and if no key was found before it, *need gets it (*load):
+ * the caller drops the lock, loads it (btree_load_evicted) and walks on
+ * from there.  Its clean keys are as suspect as any others (see
+ * marks_locked for how a leaf of a marked region comes to be evicted). */
 static size_t
 clean_keys_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
-                   struct ckey *out, size_t max, uint64_t *next)
+                   struct ckey *out, size_t max, uint64_t *next, bool *load,
+                   struct ckey *need)
 {
   uint64_t pos = s;
   size_t n = 0;
 
+  *load = false;
   while (pos < e && n < max) {
     struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
     const struct keyset *ks;
 
-    if (!leaf || leaf->evicted)
+    if (!leaf)
       break;
+    if (leaf->evicted) {
+      if (n == 0) {
+        *need = leaf->key;
+        *load = true;
+      }
+      break;
+    }
     ks = &leaf->keys;
     for (size_t i = keyset_search (ks, c->inode, pos); i < ks->nr && n < max;
          i++) {
@@ -509,9 +557,8 @@ intent_recover (struct bcf_cache *c, uint64_t *regions, uint64_t *dropped)
 
   *regions = *dropped = 0;
   do {
-    pthread_rwlock_rdlock (&c->tree_lock);
-    n = marks_locked (c, from, idx, 64);
-    pthread_rwlock_unlock (&c->tree_lock);
+    if ((r = marks (c, from, idx, 64, &n)) < 0)
+      return r;
     for (unsigned i = 0; i < n && r == 0; i++) {
       uint64_t s = idx[i] * INTENT_REGION_SECTORS;
       uint64_t e = s + INTENT_REGION_SECTORS, pos = s, seq;
@@ -522,12 +569,17 @@ intent_recover (struct bcf_cache *c, uint64_t *regions, uint64_t *dropped)
        * is journalled where the key could come back), keep the dirty
        * ones, then the mark. */
       while (pos < e && r == 0) {
-        struct ckey keys[256];
+        struct ckey keys[256], need;
+        bool load;
         size_t nk;
 
         pthread_rwlock_rdlock (&c->tree_lock);
-        nk = clean_keys_locked (c, pos, e, keys, 256, &pos);
+        nk = clean_keys_locked (c, pos, e, keys, 256, &pos, &load, &need);
         pthread_rwlock_unlock (&c->tree_lock);
+        if (load) {
+          r = btree_load_evicted (c, &need);
+          continue;
+        }
         if (nk == 0)
           break;
         for (size_t k = 0; k < nk && r == 0; k++) {
