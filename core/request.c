@@ -1625,12 +1625,25 @@ cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
 }
 
 /* W4: the backing write returned rc.  over_dirty: the span held dirty
- * data before this write (span_dirty, at W1). */
+ * data before this write (span_dirty, at W1); fua: the backing write was
+ * durable when it completed. */
 static void
 complete_cache_write (struct bcf_req *r, struct bcf_write *w, int rc,
-                      bool over_dirty)
+                      bool over_dirty, bool fua)
 {
-  if (rc == 0) {
+  if (rc == 0 && over_dirty && !fua) {
+    /* The keys stay dirty until the writeback has flushed the export
+     * (B4).  The older dirty data they replaced may be a flushed write
+     * that only the cache holds; marked clean now, this write's keys
+     * would say the export has something at least as new, while the
+     * export may still lose this write in a crash of its own, and an
+     * invalidation of the range (a trim, a bypassing write) would then
+     * leave the export's data from before both: time travel past a
+     * flush (test-crash, crash_writeback_export, TEST_SEED=1796485577).
+     * The price: the writeback writes this data once more. */
+    atomic_fetch_add (&r->write_inserts, 1);
+  }
+  else if (rc == 0) {
     int64_t clean = bcf_write_mark_clean (r->c, w);
     atomic_fetch_add (clean == (int64_t) w->len ? &r->write_inserts
                       : &r->write_collisions, 1);
@@ -1851,7 +1864,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   rc = export_changed (r, b->ops->pwrite (b->opaque, data,       /* W3 */
                                           (uint32_t) wlen, woff, fua));
   if (cached)                                                 /* W4 */
-    complete_cache_write (r, &w, rc, dirty);
+    complete_cache_write (r, &w, rc, dirty, fua);
   bcf_bypass_end (r->tracker, &tok);                           /* W5 */
   free (wide);
   return rc;
