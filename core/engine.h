@@ -442,6 +442,9 @@ void journal_replay_done (struct bcf_cache *c);
 /* Would an ordinary entry (not a checkpoint or prio commit) fail to find
  * room while keeping the reserve?  Then commit the btree first. */
 bool journal_tight (struct bcf_cache *c);
+/* The seq of the open entry (flushing up to it makes everything
+ * journalled so far durable). */
+uint64_t journal_open_seq (struct bcf_cache *c);
 /* Is there room for n more maximum-size entries, reserve included? */
 bool journal_room (struct bcf_cache *c, unsigned n);
 /* How full the ring is (0..100). */

@@ -1029,14 +1029,9 @@ bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e)
 int
 bcf_flush (struct bcf_cache *c)
 {
-  uint64_t seq;
-
   if (c->opts.readonly)
     return 0;             /* nothing was written */
-  pthread_mutex_lock (&c->journal.lock);
-  seq = c->journal.seq;
-  pthread_mutex_unlock (&c->journal.lock);
-  return journal_flush_seq (c, seq);
+  return journal_flush_seq (c, journal_open_seq (c));
 }
 
 int

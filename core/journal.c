@@ -390,26 +390,27 @@ journal_flush_sealed (struct bcf_cache *c, uint64_t seq)
   return flush_seq (c, seq, true);
 }
 
-int
-journal_meta (struct bcf_cache *c)
+uint64_t
+journal_open_seq (struct bcf_cache *c)
 {
   uint64_t seq;
 
   pthread_mutex_lock (&c->journal.lock);
   seq = c->journal.seq;
   pthread_mutex_unlock (&c->journal.lock);
-  return flush_seq (c, seq, true);
+  return seq;
+}
+
+int
+journal_meta (struct bcf_cache *c)
+{
+  return flush_seq (c, journal_open_seq (c), true);
 }
 
 int
 journal_make_room (struct bcf_cache *c)
 {
-  uint64_t seq;
-
-  pthread_mutex_lock (&c->journal.lock);
-  seq = c->journal.seq;
-  pthread_mutex_unlock (&c->journal.lock);
-  return flush_seq (c, seq, false);
+  return flush_seq (c, journal_open_seq (c), false);
 }
 
 /* ---- reading the journal: one scan, one rule ---------------------------------- */
