@@ -472,11 +472,7 @@ do_refill (struct bcf_cache *c, bool in_ckpt, bool background)
   }
   pthread_mutex_unlock (&a->lock);
 
-  r = 0;
-  if (!in_ckpt && journal_tight (c))
-    r = btree_checkpoint (c);
-  if (r == 0)
-    r = alloc_prio_write (c);
+  r = alloc_prio_write_with_room (c, !in_ckpt);
 
   pthread_mutex_lock (&a->lock);
   if (r == 0)
@@ -781,6 +777,16 @@ alloc_prio_write (struct bcf_cache *c)
   bcf_buf_free (buf, c->bucket_bytes);
   free (ent);
   return r;
+}
+
+int
+alloc_prio_write_with_room (struct bcf_cache *c, bool may_checkpoint)
+{
+  int r;
+
+  if (may_checkpoint && journal_tight (c) && (r = btree_checkpoint (c)) < 0)
+    return r;
+  return alloc_prio_write (c);
 }
 
 int

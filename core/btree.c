@@ -1511,7 +1511,7 @@ btree_checkpoint (struct bcf_cache *c)
      * checkpoint's own sealed entry and commit need, or the ring can
      * fill up with no way to commit (and, after a crash, no room for
      * the next open's commits). */
-    if (!journal_room (c, 3))
+    if (!journal_room (c, JOURNAL_RESERVE))
       break;
     if ((r = alloc_refill_ckpt_locked (c)) < 0 && r != -ENOSPC)
       return r;

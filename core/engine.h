@@ -183,6 +183,11 @@ void alloc_release_meta (struct bcf_cache *c, uint64_t bucket);
 /* Write all gens and prios to fresh prio buckets, then a journal entry
  * pointing at them (the caller holds ckpt_lock). */
 int alloc_prio_write (struct bcf_cache *c);
+/* The same, committing the btree first (a checkpoint, which raises
+ * last_seq) where the journal is too tight for the prio write's commit
+ * and what follows it; may_checkpoint is false inside a checkpoint.  The
+ * one place of that rule: the allocator's refill and the open use it. */
+int alloc_prio_write_with_room (struct bcf_cache *c, bool may_checkpoint);
 /* Read the prio chain starting at bucket head into the bucket array. */
 int alloc_prio_read (struct bcf_cache *c, uint64_t head);
 /* Cache hit on a bucket: reset its prio. */
@@ -441,6 +446,11 @@ int journal_replay (struct bcf_cache *c,
 void journal_replay_done (struct bcf_cache *c);
 /* Would an ordinary entry (not a checkpoint or prio commit) fail to find
  * room while keeping the reserve?  Then commit the btree first. */
+/* Entries that commit metadata (checkpoints, prio writes) may use the
+ * last JOURNAL_RESERVE maximum-size slots of the ring; ordinary entries
+ * may not, so a checkpoint can always commit and empty the ring: the
+ * prio write it may need, the entry it sealed, and its commit. */
+#define JOURNAL_RESERVE 3
 bool journal_tight (struct bcf_cache *c);
 /* The seq of the open entry (flushing up to it makes everything
  * journalled so far durable). */

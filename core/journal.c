@@ -196,11 +196,7 @@ slots_from (struct bcf_cache *c, unsigned bucket, uint64_t offset,
   return n;
 }
 
-/* Entries that commit metadata (checkpoints, prio writes) may use the
- * last JOURNAL_RESERVE slots; ordinary entries may not, so a checkpoint
- * can always commit and empty the ring: the prio write it may need, the
- * entry it sealed, and its commit. */
-#define JOURNAL_RESERVE 3
+/* The reserve for metadata commits: JOURNAL_RESERVE (engine.h). */
 
 /* Where does an entry of len bytes go?  Moves to the next bucket if it
  * does not fit in this one.  -ENOSPC if there is no room (for ordinary

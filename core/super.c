@@ -930,16 +930,12 @@ open_existing (struct bcf_cache *c, bool *foreign, bool *detached, char *err,
   /* A crash in the middle of a checkpoint (or of the prio write before
    * one) leaves the journal with less than its reserve: the metadata
    * commits below would find no room ("writing prio buckets failed: No
-   * space left on device", the writeback soak at TEST_SEED=40342).  Then
-   * commit the replayed tree first, as the allocator's refill does: one
-   * entry (nothing is pending to seal), after which the whole ring is
-   * free, and the free buckets' gens are on disk already. */
-  if (journal_tight (c) && (r = btree_checkpoint (c)) < 0) {
-    snprintf (err, errlen, "opening %s: committing the replayed journal: "
-              "%s", bcf_io_path (c->io), strerror (-r));
-    return r;
-  }
-  if ((r = alloc_prio_write (c)) < 0 ||
+   * space left on device", the writeback soak at TEST_SEED=40342).  So
+   * the prio write commits the replayed tree first where the journal is
+   * tight, as the allocator's refill does: one entry (nothing is pending
+   * to seal), after which the whole ring is free, and the free buckets'
+   * gens are on disk already. */
+  if ((r = alloc_prio_write_with_room (c, true)) < 0 ||
       (write_uuids && (r = uuid_write (c)) < 0) ||
       (r = recover_intent (c)) < 0 ||
       (r = btree_checkpoint (c)) < 0 ||
