@@ -341,19 +341,21 @@ export_changes_now (struct bcf_cache *c)
   return atomic_load_explicit (&c->export_changes, memory_order_acquire);
 }
 
-uint64_t
-bcf_cache_export_changes (struct bcf_cache *c)
+/* The changes counted before a flush is issued are the ones it covers
+ * (the export acknowledged them before). */
+int
+bcf_cache_flush_export (struct bcf_cache *c, const struct bcf_backing *b)
 {
-  return export_changes_now (c);
-}
+  uint64_t changes = export_changes_now (c);
+  int r = b->ops->flush (b->opaque);
 
-void
-bcf_cache_export_flushed (struct bcf_cache *c, uint64_t changes)
-{
-  pthread_mutex_lock (&c->export_lock);
-  if (changes > c->export_flushed)
-    c->export_flushed = changes;
-  pthread_mutex_unlock (&c->export_lock);
+  if (r == 0) {
+    pthread_mutex_lock (&c->export_lock);
+    if (changes > c->export_flushed)
+      c->export_flushed = changes;
+    pthread_mutex_unlock (&c->export_lock);
+  }
+  return r;
 }
 
 /* Make every export change counted up to `changes` durable on the

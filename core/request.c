@@ -1277,19 +1277,6 @@ export_changed (struct bcf_req *r, int rc)
   return rc;
 }
 
-/* A flush of the export: it covers every change counted before it was
- * issued, so the checkpoint's barrier need not flush for them again. */
-static int
-export_flush (struct bcf_req *r, const struct bcf_backing *b)
-{
-  uint64_t changes = bcf_cache_export_changes (r->c);
-  int rc = b->ops->flush (b->opaque);
-
-  if (rc == 0)
-    bcf_cache_export_flushed (r->c, changes);
-  return rc;
-}
-
 static int
 backing_pwrite (struct bcf_req *r, const struct bcf_backing *b,
                 const void *buf, uint64_t len, uint64_t offset)
@@ -1918,7 +1905,7 @@ write_back_span (struct bcf_req *r, const struct bcf_backing *b,
   }
   free (buf);
   if (rc == 0 && wrote)
-    rc = export_flush (r, b);
+    rc = bcf_cache_flush_export (r->c, b);
   return rc;
 }
 
@@ -1976,7 +1963,7 @@ bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
 
   /* The backing trim has no FUA of its own in the ops: flush. */
   if (rc == 0 && fua)
-    rc = export_flush (r, b);
+    rc = bcf_cache_flush_export (r->c, b);
   return rc;
 }
 
@@ -1989,7 +1976,7 @@ bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
   int rc = change_range (r, b, count, offset + r->offset, call_zero, &z);
 
   if (rc == 0 && fua)
-    rc = export_flush (r, b);
+    rc = bcf_cache_flush_export (r->c, b);
   return rc;
 }
 
@@ -1998,7 +1985,7 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   IN_FLIGHT (r);
   TIMED (r, BCF_LAT_FLUSH, true);
-  int rc = export_flush (r, b);
+  int rc = bcf_cache_flush_export (r->c, b);
 
   bcf_req_drain (r);
 

@@ -305,14 +305,9 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
   }
   bcf_buf_free (buf, RUN_MAX_BYTES);
 
-  if (written && rc == 0) {                                       /* B4 */
-    uint64_t changes = bcf_cache_export_changes (wb->c);
-
-    if ((rc = wb->b.ops->flush (wb->b.opaque)) < 0)
-      count (wb, &wb->st.backing_errors, 1);
-    else
-      bcf_cache_export_flushed (wb->c, changes);   /* the barrier's too */
-  }
+  if (written && rc == 0 &&                                       /* B4 */
+      (rc = bcf_cache_flush_export (wb->c, &wb->b)) < 0)
+    count (wb, &wb->st.backing_errors, 1);
 
   for (unsigned k = 0; k < nr; k++) {                             /* B5 */
     struct run *r = &runs[k];

@@ -518,15 +518,14 @@ void bcf_cache_set_congestion (struct bcf_cache *c, unsigned read_us,
  * means must too. */
 void bcf_cache_set_export (struct bcf_cache *c, const struct bcf_backing *b);
 void bcf_cache_export_changed (struct bcf_cache *c);
-/* A flush of the export made elsewhere (a client's flush, the
- * writeback's) counts for the barrier too, which then need not flush
- * again: read bcf_cache_export_changes before issuing it, and pass that
- * to bcf_cache_export_flushed once it succeeded.  (So with the filter
- * the background connection is opened for the barrier only when no
- * client flushed since the export last changed: with nbdkit's nbd plugin
- * its open prints "error: no connection in this thread".) */
-uint64_t bcf_cache_export_changes (struct bcf_cache *c);
-void bcf_cache_export_flushed (struct bcf_cache *c, uint64_t changes);
+/* Flush the export through b and, if that succeeded, count it for the
+ * barrier too, which then need not flush again for the changes it
+ * covers: how the request layer and the writeback flush the export.
+ * (So with the filter the background connection is opened for the
+ * barrier only when no client flushed since the export last changed:
+ * with nbdkit's nbd plugin its open prints "error: no connection in this
+ * thread".)  Returns b's flush result. */
+int bcf_cache_flush_export (struct bcf_cache *c, const struct bcf_backing *b);
 /* 0 if the cache device is not congested, else the stream size in
  * sectors from which requests should bypass it (bcache's
  * bch_get_congested, with its random jitter). */
