@@ -510,7 +510,7 @@ EOF
 # One remote serves the whole run: it holds no state that matters here.
 T0=$SECONDS
 REMOTE_PID=
-if [[ " $CONFIGS " =~ \ (remote|proxy|qemuproxy|cachefilter|bcachefilter|bcachefilter-pc|bcachefilter-je|bcachefilter-none)\  ]]; then
+if [[ " $CONFIGS " =~ \ (remote|proxy|qemuproxy|cachefilter|bcachefilter|bcachefilter-wb|bcachefilter-pc|bcachefilter-je|bcachefilter-none)\  ]]; then
     say "remote: nbdkit memory plugin behind the delay filter, filling it"
     start_remote
 fi
