@@ -426,6 +426,119 @@ keyset_del (struct keyset *s, const struct ckey *k)
   return 0;
 }
 
+/* Does extent a end before extent b starts (no overlap, a first)? */
+static bool
+ckey_before (const struct ckey *a, const struct ckey *b)
+{
+  return ckey_inode (a) != ckey_inode (b) ? ckey_inode (a) < ckey_inode (b)
+         : ckey_end (a) <= ckey_start (b);
+}
+
+static void
+emit (struct keyset *t, const struct ckey *k)
+{
+  t->k[t->nr++] = *k;
+  account (t, k, 1);
+}
+
+int
+keyset_insert_batch (struct keyset *s, const struct ckey *w, size_t n)
+{
+  struct keyset t;
+  struct ckey cur;
+  bool have = false;
+  size_t i = 0, j = 0;
+
+  /* Each key of w adds itself and at most one piece of a key it splits. */
+  keyset_init (&t, s->keep_whiteouts);
+  if (reserve (&t, s->nr + 2 * n, false) < 0)
+    return -ENOMEM;
+  for (;;) {
+    const struct ckey *x = j < n ? &w[j] : NULL;
+
+    if (!have && i < s->nr) {
+      cur = s->k[i++];
+      have = true;
+    }
+    if (x && ckey_size (x) == 0) {
+      j++;                              /* ignored, as keyset_insert does */
+      continue;
+    }
+    if (!have && !x)
+      break;
+    if (x && (!have || ckey_before (x, &cur))) {
+      if (ckey_has_ptr (x) || t.keep_whiteouts)
+        emit (&t, x);
+      j++;
+      continue;
+    }
+    if (!x || ckey_before (&cur, x)) {
+      emit (&t, &cur);
+      have = false;
+      continue;
+    }
+    /* cur overlaps x: its part before x stays, its part inside x goes,
+     * and its part after x waits for the next key of w (which may cut
+     * it too). */
+    if (ckey_start (&cur) < ckey_start (x)) {
+      struct ckey head = cur;
+
+      ckey_cut_back (&head, ckey_end (&head) - ckey_start (x));
+      emit (&t, &head);
+      ckey_cut_front (&cur, ckey_start (x) - ckey_start (&cur));
+    }
+    if (ckey_end (&cur) <= ckey_end (x))
+      have = false;
+    else {
+      ckey_cut_front (&cur, ckey_end (x) - ckey_start (&cur));
+      if (ckey_has_ptr (x) || t.keep_whiteouts)
+        emit (&t, x);
+      j++;
+    }
+  }
+  drop_array (s);
+  s->k = t.k;
+  s->nr = t.nr;
+  s->cap = t.cap;
+  s->head = t.head;
+  s->words = t.words;
+  s->ndirty = t.ndirty;
+  s->share = NULL;
+  return 0;
+}
+
+int
+keyset_remove_if (struct keyset *s,
+                  int (*drop) (const struct ckey *k, void *arg), void *arg)
+{
+  size_t i, w = 0;
+  int r = 0;
+
+  /* Before drop's side effects: a copy that fails leaves nothing done. */
+  if (keyset_unshare (s) < 0)
+    return -ENOMEM;
+  for (i = 0; i < s->nr; i++) {
+    int d = drop (&s->k[i], arg);
+
+    if (d < 0) {
+      r = d;
+      break;
+    }
+    if (d > 0) {
+      account (s, &s->k[i], -1);
+      continue;
+    }
+    if (w != i)
+      s->k[w] = s->k[i];
+    w++;
+  }
+  /* The keys not visited (drop failed) close the gap too. */
+  if (w != i && i < s->nr)
+    memmove (&s->k[w], &s->k[i], (s->nr - i) * sizeof *s->k);
+  s->nr = w + (s->nr - i);
+  return r;
+}
+
 int
 keyset_append (struct keyset *s, const struct ckey *k)
 {

@@ -177,6 +177,22 @@ bool keyset_replace_matches (const struct keyset *s, const struct ckey *k,
 int keyset_put (struct keyset *s, const struct ckey *k);
 int keyset_del (struct keyset *s, const struct ckey *k);
 
+/* keyset_insert of w[0], w[1], ... w[n - 1] in that order, in one merge
+ * of the set with w: O(nr + n), where n inserts move up to half the set
+ * each.  w must be sorted and its keys must not overlap each other.
+ * Returns 0 or -ENOMEM (the set is unchanged on failure). */
+int keyset_insert_batch (struct keyset *s, const struct ckey *w, size_t n);
+
+/* Walk the keys in order, calling drop on each, and remove those for
+ * which it returns 1, in one pass: O(n) however many go, where removing
+ * them one by one moves up to half the set each time.  drop returning
+ * < 0 stops the walk: the keys it did not return 1 for stay, and the
+ * error is returned.  Returns 0, or -ENOMEM (copying a shared array, before
+ * drop is called at all), or drop's error. */
+int keyset_remove_if (struct keyset *s,
+                      int (*drop) (const struct ckey *k, void *arg),
+                      void *arg);
+
 /* Append a key known to sort after every key in the set (bulk loading
  * from disk and compaction).  Returns 0 or -ENOMEM. */
 int keyset_append (struct keyset *s, const struct ckey *k);

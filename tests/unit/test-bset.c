@@ -9,6 +9,7 @@
  */
 #include "config.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -167,6 +168,120 @@ START_TEST (test_model_random)
 }
 END_TEST
 
+/* Two sets hold the same keys, the same way. */
+static void
+assert_same_set (const struct keyset *a, const struct keyset *b,
+                 unsigned round)
+{
+  const char *why = keyset_check (b, 0);
+
+  ck_assert_msg (why == NULL, "seed %u round %u: %s", seed, round, why);
+  ck_assert_msg (a->nr == b->nr, "seed %u round %u: %zu keys, expected %zu",
+                 seed, round, b->nr, a->nr);
+  for (size_t i = 0; i < a->nr; i++)
+    ck_assert_msg (memcmp (&a->k[i], &b->k[i], sizeof a->k[i]) == 0,
+                   "seed %u round %u: key %zu differs", seed, round, i);
+  ck_assert_uint_eq (a->words, b->words);
+  ck_assert_uint_eq (a->ndirty, b->ndirty);
+}
+
+/* A random set of a few hundred keys, the same in a and b. */
+static void
+random_twin_sets (struct keyset *a, struct keyset *b, bool keep_whiteouts)
+{
+  unsigned n = (unsigned) rnd_below (400);
+
+  keyset_init (a, keep_whiteouts);
+  keyset_init (b, keep_whiteouts);
+  for (unsigned i = 0; i < n; i++) {
+    struct ckey k = random_extent (true);
+    ck_assert_int_eq (keyset_insert (a, &k), 0);
+    ck_assert_int_eq (keyset_insert (b, &k), 0);
+  }
+}
+
+/* keyset_insert_batch (GC's whiteouts into a node's open set) leaves the
+ * set exactly as the inserts one by one would: splits, trims, keys
+ * covered whole, whiteouts kept or not, zero-size keys, keys between
+ * and around the set's. */
+START_TEST (test_insert_batch)
+{
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 3;
+  for (unsigned round = 0; round < 3000; round++) {
+    struct keyset a, b;
+    struct ckey w[M_INODES * M_SECTORS / 2];
+    size_t n = 0;
+
+    random_twin_sets (&a, &b, rnd_below (2) == 0);
+    /* Sorted, not overlapping one another: a walk of every inode. */
+    for (uint64_t ino = 0; ino < M_INODES; ino++)
+      for (uint64_t pos = rnd_below (64); pos < M_SECTORS; ) {
+        uint64_t size = rnd_below (8) == 0 ? 0 : 1 + rnd_below (48);
+        if (pos + size > M_SECTORS)
+          break;
+        if (rnd_below (3) == 0)
+          w[n++] = ckey_make (ino, pos + size, size, rnd_below (4) == 0,
+                              MAKE_PTR (2, rnd_below (1ull << 40), 0),
+                              rnd_below (3) == 0);
+        pos += size + rnd_below (64);
+      }
+    for (size_t i = 0; i < n; i++)
+      ck_assert_int_eq (keyset_insert (&a, &w[i]), 0);
+    ck_assert_int_eq (keyset_insert_batch (&b, w, n), 0);
+    assert_same_set (&a, &b, round);
+    keyset_free (&a);
+    keyset_free (&b);
+  }
+}
+END_TEST
+
+/* Drop keys by a rule of their own bits: every third, say. */
+static int
+drop_some (const struct ckey *k, void *arg)
+{
+  unsigned *calls = arg;
+
+  if (calls[1] && ++calls[0] == calls[1])
+    return -ENOMEM;             /* the walk stops here */
+  return (k->ptr ^ k->low) % 3 == 0;
+}
+
+/* keyset_remove_if (GC's stale keys out of a leaf) leaves the set as a
+ * whiteout over each dropped key would, also when drop fails midway. */
+START_TEST (test_remove_if)
+{
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 5;
+  for (unsigned round = 0; round < 3000; round++) {
+    struct keyset a, b;
+    unsigned calls[2] = { 0, 0 };
+    size_t visited;
+
+    random_twin_sets (&a, &b, false);
+    if (rnd_below (4) == 0 && b.nr > 0)
+      calls[1] = 1 + (unsigned) rnd_below (b.nr);
+    visited = calls[1] ? calls[1] - 1 : a.nr;
+    /* The model: a whiteout over each key drop_some takes, in order. */
+    {
+      struct ckey gone[400 * 3];
+      size_t ngone = 0;
+      for (size_t i = 0; i < visited; i++)
+        if ((a.k[i].ptr ^ a.k[i].low) % 3 == 0)
+          gone[ngone++] = a.k[i];
+      for (size_t i = 0; i < ngone; i++) {
+        struct ckey wo = ckey_make (ckey_inode (&gone[i]), ckey_end (&gone[i]),
+                                    ckey_size (&gone[i]), false, 0, false);
+        ck_assert_int_eq (keyset_insert (&a, &wo), 0);
+      }
+    }
+    ck_assert_int_eq (keyset_remove_if (&b, drop_some, calls),
+                      calls[1] ? -ENOMEM : 0);
+    assert_same_set (&a, &b, round);
+    keyset_free (&a);
+    keyset_free (&b);
+  }
+}
+END_TEST
+
 /* Whiteouts are kept in an open set and override older keys on merge. */
 START_TEST (test_whiteouts_kept)
 {
@@ -302,6 +417,8 @@ bset_suite (void)
   tcase_add_test (tc, test_replace_collision);
   tcase_add_test (tc, test_interior_put_del);
   tcase_add_test (tc, test_model_random);
+  tcase_add_test (tc, test_insert_batch);
+  tcase_add_test (tc, test_remove_if);
   suite_add_tcase (s, tc);
   return s;
 }
