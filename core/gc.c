@@ -158,57 +158,116 @@ mark_bucket (struct gc_pass *p, uint64_t b, uint8_t mark, uint64_t sectors)
   p->used[b] += (uint32_t) sectors;
 }
 
-/* Mark one leaf; drop its stale keys.  Under tree_lock (write). */
+/* A leaf's stale keys, in key order (gc_leaf). */
+struct stale_keys {
+  struct ckey *k;
+  size_t n, cap, next;
+  struct bcf_cache *c;
+};
+
+static int
+stale_add (struct stale_keys *st, const struct ckey *k)
+{
+  if (st->n == st->cap) {
+    size_t cap = st->cap ? 2 * st->cap : 64;
+    struct ckey *p = realloc (st->k, cap * sizeof *p);
+
+    if (!p)
+      return -ENOMEM;
+    st->k = p;
+    st->cap = cap;
+  }
+  st->k[st->n++] = *k;
+  return 0;
+}
+
+/* Mark k's bucket, or, if its pointer is stale, add it to st. */
+static int
+gc_key (struct bcf_cache *c, struct gc_pass *p, const struct ckey *k,
+        struct stale_keys *st)
+{
+  uint64_t b;
+
+  if (!ckey_has_ptr (k) || ckey_is_check (k))
+    return 0;
+  b = bucket_of_ptr (c, k->ptr);
+  if (b >= c->alloc.nbuckets)
+    return 0;
+  note_gen (p, b, PTR_GEN (k->ptr));
+  if (ptr_stale (c, k->ptr))
+    return stale_add (st, k);
+  mark_bucket (p, b, ckey_dirty (k) ? GC_MARK_DIRTY : GC_MARK_RECLAIMABLE,
+               ckey_size (k));
+  return 0;
+}
+
+/* keyset_remove_if's rule: drop exactly the keys gc_leaf found stale
+ * (the walk sees the same keys in the same order: tree_lock is held
+ * throughout; a gen that moved meanwhile does not change the list). */
+static int
+drop_stale (const struct ckey *k, void *arg)
+{
+  struct stale_keys *st = arg;
+  struct bcf_cache *c = st->c;
+
+  if (st->next >= st->n || memcmp (k, &st->k[st->next], sizeof *k) != 0)
+    return 0;
+  st->next++;
+  /* A bucket holding a key that is dirty in memory is never invalidated
+   * (its mark stays dirty until a pass sees every key in it clean), so a
+   * stale dirty key can only be one that a journal replay brought back
+   * after its data was written back and marked clean (clean marks are
+   * not journalled) and its bucket reused: nothing is lost by dropping
+   * it. */
+  if (ckey_dirty (k)) {
+    bcf_log (c, BCF_LOG_DEBUG, "GC: dropping dirty extent [%" PRIu64
+             ", +%" PRIu64 ") of a reused bucket %" PRIu64 " (written "
+             "back before a crash lost its clean mark)",
+             ckey_start (k), ckey_size (k), bucket_of_ptr (c, k->ptr));
+    __atomic_sub_fetch (&c->tree.dirty_sectors, ckey_size (k),
+                        __ATOMIC_RELAXED);
+  }
+  c->tree.nkeys--;
+  return 1;
+}
+
+/* Mark one leaf and drop its stale keys: a whiteout for each goes into
+ * the node's open set, so the removal reaches the disk at the next
+ * checkpoint, and the keys leave the leaf.
+ *
+ * Both in one pass over each set (keyset_insert_batch, keyset_remove_if).
+ * One keyset_insert per stale key, into the open set and into the leaf,
+ * moved up to half of each set every time: a pass over leaves whose
+ * buckets the allocator had reclaimed held the tree lock 4-13 ms per
+ * slice in a 256 MiB cache, 0.3-0.8 ms this way (and every lookup
+ * waits for a slice).  The whiteouts go in first: should that fail, the
+ * leaf keeps its stale keys (harmless: a stale pointer is never served)
+ * for the next pass, where removing them from memory first could have
+ * let last_gc pass a gen still on disk.  Under tree_lock (write). */
 static int
 gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
 {
-  struct keyset *s = &n->keys;
-  size_t i = 0;
+  struct stale_keys st = { .c = c };
+  struct ckey *wo;
+  int r = 0;
 
-  while (i < s->nr) {
-    const struct ckey *k = &s->k[i];
-    uint64_t b;
-
-    if (!ckey_has_ptr (k) || ckey_is_check (k)) {
-      i++;
-      continue;
+  for (size_t i = 0; i < n->keys.nr && r == 0; i++)
+    r = gc_key (c, p, &n->keys.k[i], &st);
+  if (r == 0 && st.n > 0) {
+    if (!(wo = malloc (st.n * sizeof *wo)))
+      r = -ENOMEM;
+    for (size_t i = 0; r == 0 && i < st.n; i++)
+      wo[i] = ckey_make (ckey_inode (&st.k[i]), ckey_end (&st.k[i]),
+                         ckey_size (&st.k[i]), false, 0, false);
+    if (r == 0) {
+      r = keyset_insert_batch (&n->open, wo, st.n);
+      free (wo);
     }
-    b = bucket_of_ptr (c, k->ptr);
-    if (b >= c->alloc.nbuckets) {
-      i++;
-      continue;
-    }
-    note_gen (p, b, PTR_GEN (k->ptr));
-    if (ptr_stale (c, k->ptr)) {
-      /* A bucket holding a key that is dirty in memory is never
-       * invalidated (its mark stays dirty until a pass sees every key in
-       * it clean), so a stale dirty key can only be one that a journal
-       * replay brought back after its data was written back and marked
-       * clean (clean marks are not journalled) and its bucket reused:
-       * nothing is lost by dropping it. */
-      if (ckey_dirty (k)) {
-        bcf_log (c, BCF_LOG_DEBUG, "GC: dropping dirty extent [%" PRIu64
-                 ", +%" PRIu64 ") of a reused bucket %" PRIu64 " (written "
-                 "back before a crash lost its clean mark)",
-                 ckey_start (k), ckey_size (k), b);
-        __atomic_sub_fetch (&c->tree.dirty_sectors, ckey_size (k),
-                            __ATOMIC_RELAXED);
-      }
-      struct ckey w = ckey_make (ckey_inode (k), ckey_end (k), ckey_size (k),
-                                 false, 0, false);
-      int r = keyset_insert (&n->open, &w);
-      /* Removes k; allocates only to copy an array a checkpoint in
-       * flight still shares (keyset_share). */
-      if (r < 0 || (r = keyset_insert (&n->keys, &w)) < 0)
-        return r;
-      c->tree.nkeys--;
-      continue;
-    }
-    mark_bucket (p, b, ckey_dirty (k) ? GC_MARK_DIRTY : GC_MARK_RECLAIMABLE,
-                 ckey_size (k));
-    i++;
+    if (r == 0)
+      r = keyset_remove_if (&n->keys, drop_stale, &st);
   }
-  return 0;
+  free (st.k);
+  return r;
 }
 
 /* Apply the pass's marks.  Under alloc.lock. */
