@@ -663,11 +663,12 @@ bcf_miss_cancel (struct bcf_cache *c, struct bcf_miss *m)
  * which the tracker orders.  So a write to a range nobody cached costs no
  * key in the node's open set (written at the next checkpoint) and no
  * insert. */
-int
-bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
-                bool durable)
+/* bcf_invalidate without the wait: *d gets the journal entry that must
+ * be durable before the backing store may change. */
+static int
+invalidate_range (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                  struct durability *d)
 {
-  struct durability d = { 0 };
   uint64_t s, e;
   enum range_state st;
   bool unpersisted;
@@ -679,19 +680,29 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
   pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e, &d.seq);
+  st = range_state_locked (c, s, e, &d->seq);
   unpersisted = alloc_gens_unpersisted (c);
   pthread_rwlock_unlock (&c->tree_lock);
   if (st != RANGE_EMPTY || unpersisted)
     for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
       uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
       struct ckey w = range_piece (c, p, pe, s, false, 0, false);
-      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, NULL, &d)) < 0)
+      if ((r = insert_key (c, &w, JOURNAL_IF_PERSISTENT, NULL, d)) < 0)
         return r;
     }
-  if (durable && d.seq)
-    return journal_flush_seq (c, d.seq);
   return 0;
+}
+
+int
+bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                bool durable)
+{
+  struct durability d = { 0 };
+  int r = invalidate_range (c, offset, len, &d);
+
+  if (r == 0 && durable && d.seq)
+    return journal_flush_seq (c, d.seq);
+  return r;
 }
 
 int
@@ -935,6 +946,54 @@ bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
   if (w->ptrs && w->ptrs != w->inline_ptrs)
     free (w->ptrs);
   w->ptrs = NULL;
+}
+
+/* ---- writes cached as fills (bcachefilter/cache.h, bcf_write_fill_begin) ------------ */
+
+int
+bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
+                      uint64_t span_len, uint64_t off, uint64_t len,
+                      struct bcf_write_fill *wf)
+{
+  struct durability d = { 0 };
+  uint64_t s, e;
+  int r;
+
+  memset (wf, 0, sizeof *wf);
+  if (c->opts.readonly)
+    return -EROFS;
+  if (c->opts.write_intent_off)
+    return -EOPNOTSUPP;
+  if (c->failed)
+    return -ENOSPC;
+  if ((r = to_sectors (c, span_off, span_len, &s, &e)) < 0)
+    return r;
+  /* The span out, as bcf_invalidate does; where that left something a
+   * crash could bring back (its journal entry is not durable yet), the
+   * mark, asked for after the whiteout: intent.c's clear then comes after
+   * it in the journal.  Where nothing could come back (the span held
+   * nothing, or nothing a crash keeps), no mark is needed. */
+  if ((r = invalidate_range (c, span_off, span_len, &d)) < 0)
+    return r;
+  if (d.seq && journal_pending (c, d.seq)) {
+    if ((r = intent_write_begin (c, s, e)) < 0)
+      return r;
+    wf->marked = true;
+  }
+  if (len > 0 && bcf_miss_begin (c, off, len, &wf->m) < 0)
+    wf->m.len = 0;              /* not cached; the span is safe anyway */
+  return 0;
+}
+
+void
+bcf_write_fill_end (struct bcf_cache *c, uint64_t span_off,
+                    uint64_t span_len, struct bcf_write_fill *wf)
+{
+  uint64_t s, e;
+
+  if (wf->marked && to_sectors (c, span_off, span_len, &s, &e) == 0)
+    intent_write_end (c, s, e);
+  wf->marked = false;
 }
 
 /* ---- dirty data ------------------------------------------------------------------- */

@@ -66,6 +66,22 @@
  *       stay dirty and are written back later (complete_cache_write);
  *   W5. bcf_bypass_end.
  *
+ * Writethrough over no dirty data, not FUA, with write-intent regions
+ * (write_fill, the common case): W2 is bcf_write_fill_begin, which
+ * invalidates the span (journalled, not waited for), marks its regions
+ * durably if that removal is not durable yet (free while they are
+ * marked), and lays a check key over the whole blocks; W3 the backing
+ * write; W4 queues the data as a fill against that check key (or cancels
+ * it), and lets go of the regions.  No cache-device write and, in a
+ * marked region, no journal write is in series with the write: its
+ * latency is the export's.  I2 after a crash: the older data cannot come
+ * back once the backing store may hold the newer, because its removal
+ * is durable or its region is marked (bcf_write_fill_begin in
+ * bcachefilter/cache.h).  The fill is a read miss's (see below: a check
+ * key the write's own turn protects until W5, which a later write's W2
+ * replaces, so a late fill caches nothing).  A reader meanwhile misses
+ * and reads the backing store: the old data before W3, the new after.
+ *
  * Writeback mode (should_write_back: bcache's should_writeback and its
  * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
  * (write_back), journalled, waiting for the journal only for FUA; and
@@ -220,6 +236,7 @@ struct fill {
   uint64_t seq;                 /* enqueue order, for drain */
   uint64_t queued_ns;           /* CLOCK_MONOTONIC at enqueue */
   void *data;                   /* m.len bytes, from bcf_buf_alloc */
+  bool write;                   /* a write's data (write_fill) */
 };
 
 struct bcf_req {
@@ -397,6 +414,9 @@ run_fills (struct bcf_req *r, struct fill *batch, unsigned n)
   for (unsigned i = 0; i < n; i++) {
     struct fill *next = batch->next;
     fill_result (r, res[i]);
+    if (batch->write)
+      atomic_fetch_add (res[i] == 0 ? &r->write_inserts
+                        : &r->write_collisions, 1);
     free_fill (batch);
     batch = next;
   }
@@ -488,7 +508,8 @@ fill_worker (void *arg)
  * (or memory short), drop it instead: the check key is removed and
  * nothing is cached. */
 static void
-queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
+queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data,
+            bool write)
 {
   struct fill *f = NULL;
   void *copy = NULL;
@@ -502,6 +523,7 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
     f->m = *m;
     f->data = copy;
     f->next = NULL;
+    f->write = write;
     pthread_mutex_lock (&r->fill_lock);
     if (!r->fill_stop && r->fill_bytes + m->len <= FILL_QUEUE_BYTES) {
       f->seq = ++r->fill_enq;
@@ -521,6 +543,8 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data)
   }
   if (!queued) {
     atomic_fetch_add (&r->fills_dropped, 1);
+    if (write)
+      atomic_fetch_add (&r->write_collisions, 1);
     bcf_miss_cancel (r->c, m);
     if (f && copy)
       free_fill (f);
@@ -1319,7 +1343,7 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
     bcf_miss_cancel (r->c, &m);
     return rc;
   }
-  queue_fill (r, &m, buf);
+  queue_fill (r, &m, buf, false);
   return 0;
 }
 
@@ -1765,6 +1789,45 @@ write_back (struct bcf_req *r, struct span in, const void *data, bool fua)
   return 1;
 }
 
+/* Writethrough of a write over no dirty data, W2 to W4 as a fill
+ * (bcf_write_fill_begin): the span leaves the cache and its write-intent
+ * regions are marked (no wait while they are), the backing write goes
+ * out at once, and the data is cached after it, by the fill queue, clean.
+ * The write waits for no cache-device write and no journal write, where
+ * cache_write's dirty keys put a device write (and, outside a marked
+ * region, a journal write) in series with every write.  Reads in the
+ * meantime miss on the check key and read the backing store; a later
+ * overlapping write (its turn comes after ours, W5) replaces the check
+ * key, and the late fill then finds it gone and caches nothing
+ * (write_collisions).  Returns 1 and the backing write's result in *rc
+ * if done; 0 if not taken (the caller goes on with cache_write). */
+static int
+write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+            struct span in, const void *buf, uint32_t count, uint64_t offset,
+            int *rc)
+{
+  struct bcf_write_fill wf;
+  int e = bcf_write_fill_begin (r->c, s.start, s.end - s.start, in.start,
+                                in.end - in.start, &wf);
+
+  if (e < 0) {
+    if (e != -EOPNOTSUPP && e != -ENOSPC && e != -EROFS)
+      device_error (r);
+    return 0;
+  }
+  *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count, offset,
+                                           false));           /* W3 */
+  if (wf.m.len && *rc == 0)                                     /* W4 */
+    queue_fill (r, &wf.m, (const uint8_t *) buf + (in.start - offset), true);
+  else {
+    if (wf.m.len)
+      bcf_miss_cancel (r->c, &wf.m);
+    atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
+  }
+  bcf_write_fill_end (r->c, s.start, s.end - s.start, &wf);
+  return 1;
+}
+
 int
 bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
@@ -1834,6 +1897,12 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   insert = insert && in.start < in.end;
   if (!insert && !off)
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
+  if (insert && !dirty && !fua && !cache_off (r) &&
+      write_fill (r, b, s, in, data, (uint32_t) wlen, woff, &rc)) {
+    bcf_bypass_end (r->tracker, &tok);                         /* W5 */
+    free (wide);
+    return rc;
+  }
 
   if (insert && !cache_off (r))                                /* W2 */
     rc = cache_write (r, b, s, in, data + (in.start - woff), dirty, fua,

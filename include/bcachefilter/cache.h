@@ -391,6 +391,48 @@ int bcf_write_undo (struct bcf_cache *c, struct bcf_write *w);
 int64_t bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w);
 void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
 
+/* Writethrough writes that need no dirty keys (DESIGN.md "Writes on
+ * dirty keys", write-intent regions): the cache gets the data after the
+ * backing store has it, as a fill, so the write waits for neither a cache
+ * device write nor a journal write.
+ *
+ *   bcf_write_fill_begin  under the write's turn in the in-flight write
+ *                         tracker: the span [span_off, +span_len) leaves
+ *                         the cache (journalled where needed, not waited
+ *                         for); if that removal is not durable yet, the
+ *                         write-intent regions over the span are marked
+ *                         durably instead (free while they are); and a
+ *                         check key goes over [off, +len), the whole
+ *                         blocks to cache, in wf->m (m.len 0: none,
+ *                         nothing will be cached)
+ *   ... the backing write ...
+ *   bcf_miss_fill / bcf_miss_cancel of wf->m   (a fill: the data is clean)
+ *   bcf_write_fill_end    let go of the regions
+ *
+ * Why it keeps I2: the older data cannot come back after a crash while
+ * the backing store may hold the newer one: either its removal is on the
+ * journal already, or the region is marked, and recovery drops the clean
+ * keys of marked regions; the mark is cleared, in the journal, only after
+ * the whiteout, so a clear that survived a crash implies the whiteout
+ * did.  The span must hold no dirty data (its dirty keys are the only
+ * copy of acknowledged writes: request.c writes over them with dirty
+ * keys).  Not for FUA writes: an older dirty version of a clean key may
+ * still be in the journal, and only a durable newer key keeps recovery
+ * from writing it back over the acknowledged data.
+ *
+ * Returns 0; -EOPNOTSUPP without write-intent regions (opts); -EROFS,
+ * -ENOSPC or -errno: nothing is held, the span may be invalidated but not
+ * durably (the caller takes the dirty-key path or invalidates durably). */
+struct bcf_write_fill {
+  struct bcf_miss m;
+  bool marked;                /* counted in its write-intent regions */
+};
+int bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
+                          uint64_t span_len, uint64_t off, uint64_t len,
+                          struct bcf_write_fill *wf);
+void bcf_write_fill_end (struct bcf_cache *c, uint64_t span_off,
+                         uint64_t span_len, struct bcf_write_fill *wf);
+
 /* ---- Dirty data (writeback) ---------------------------------------------- */
 
 /* The dirty extents at or after offset, in key order: out[] gets up to
