@@ -955,8 +955,9 @@ bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
                       uint64_t span_len, uint64_t off, uint64_t len,
                       struct bcf_write_fill *wf)
 {
-  struct durability d = { 0 };
-  uint64_t s, e;
+  uint64_t s, e, rseq;
+  enum range_state st;
+  bool unpersisted;
   int r;
 
   memset (wf, 0, sizeof *wf);
@@ -968,30 +969,50 @@ bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
     return -ENOSPC;
   if ((r = to_sectors (c, span_off, span_len, &s, &e)) < 0)
     return r;
-  /* The span out, as bcf_invalidate does; where that left something a
-   * crash could bring back (its journal entry is not durable yet), the
-   * mark, asked for after the whiteout: intent.c's clear then comes after
-   * it in the journal.  Where nothing could come back (the span held
-   * nothing, or nothing a crash keeps), no mark is needed. */
-  if ((r = invalidate_range (c, span_off, span_len, &d)) < 0)
-    return r;
-  if (d.seq && journal_pending (c, d.seq)) {
+  wf->span_off = span_off;
+  wf->span_len = span_len;
+  wf->off = off;
+  wf->len = len;
+  /* Anything in the span, even a key only memory has (a checkpoint may
+   * capture it while the backing write is in flight), or a removal not
+   * yet durable: the older data could come back, so the regions are
+   * marked before the backing write.  An empty span stays empty until
+   * bcf_write_fill_done (the write's turn keeps misses from caching). */
+  pthread_rwlock_rdlock (&c->tree_lock);
+  st = range_state_locked (c, s, e, &rseq);
+  unpersisted = alloc_gens_unpersisted (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  if (st != RANGE_EMPTY || unpersisted || (rseq && journal_pending (c, rseq))) {
     if ((r = intent_write_begin (c, s, e)) < 0)
       return r;
     wf->marked = true;
   }
-  if (len > 0 && bcf_miss_begin (c, off, len, &wf->m) < 0)
-    wf->m.len = 0;              /* not cached; the span is safe anyway */
+  return 0;
+}
+
+int
+bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf,
+                     bool written)
+{
+  int r;
+
+  /* The older data out, journalled where a crash could bring it back
+   * (not waited for: the mark covers it, and its clear comes after this
+   * whiteout in the journal). */
+  if ((r = bcf_invalidate (c, wf->span_off, wf->span_len, false)) < 0)
+    return r;
+  if (written && wf->len > 0 &&
+      bcf_miss_begin (c, wf->off, wf->len, &wf->m) < 0)
+    wf->m.len = 0;              /* not cached: the span is empty */
   return 0;
 }
 
 void
-bcf_write_fill_end (struct bcf_cache *c, uint64_t span_off,
-                    uint64_t span_len, struct bcf_write_fill *wf)
+bcf_write_fill_end (struct bcf_cache *c, struct bcf_write_fill *wf)
 {
   uint64_t s, e;
 
-  if (wf->marked && to_sectors (c, span_off, span_len, &s, &e) == 0)
+  if (wf->marked && to_sectors (c, wf->span_off, wf->span_len, &s, &e) == 0)
     intent_write_end (c, s, e);
   wf->marked = false;
 }

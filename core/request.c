@@ -67,20 +67,22 @@
  *   W5. bcf_bypass_end.
  *
  * Writethrough over no dirty data, not FUA, with write-intent regions
- * (write_fill, the common case): W2 is bcf_write_fill_begin, which
- * invalidates the span (journalled, not waited for), marks its regions
- * durably if that removal is not durable yet (free while they are
- * marked), and lays a check key over the whole blocks; W3 the backing
- * write; W4 queues the data as a fill against that check key (or cancels
- * it), and lets go of the regions.  No cache-device write and, in a
- * marked region, no journal write is in series with the write: its
+ * (write_fill, the common case): W2 is bcf_write_fill_begin, which marks
+ * the span's regions durably if it holds anything (free while they are
+ * marked); W3 the backing write; W4 bcf_write_fill_done invalidates the
+ * span (journalled, not waited for) and lays a check key over the whole
+ * blocks, the data is queued as a fill against it (or the key
+ * cancelled), and the regions are let go.  No cache-device write and, in
+ * a marked region, no journal write is in series with the write: its
  * latency is the export's.  I2 after a crash: the older data cannot come
- * back once the backing store may hold the newer, because its removal
- * is durable or its region is marked (bcf_write_fill_begin in
- * bcachefilter/cache.h).  The fill is a read miss's (see below: a check
- * key the write's own turn protects until W5, which a later write's W2
- * replaces, so a late fill caches nothing).  A reader meanwhile misses
- * and reads the backing store: the old data before W3, the new after.
+ * back once the backing store may hold the newer, because its region is
+ * marked (bcf_write_fill_begin in bcachefilter/cache.h).  Readers hit
+ * the older data until W4 (the write is not acknowledged yet), then miss
+ * and read the backing store until the fill is in.  The fill is a read
+ * miss's (see below: a check key the write's own turn protects until
+ * W5, which a later write's W4 replaces, so a late fill caches nothing);
+ * it skips the fill queue's lingering (write fills: batch_ready), so
+ * that window is one cache-device write.
  *
  * Writeback mode (should_write_back: bcache's should_writeback and its
  * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
@@ -271,6 +273,7 @@ struct bcf_req {
   struct fill *fill_head, *fill_tail;
   uint64_t fill_bytes;          /* queued, not yet taken */
   unsigned fill_count;          /* fills queued, not yet taken */
+  unsigned fill_writes;         /* ... of them writes' (no lingering) */
   unsigned fill_drainers;       /* bcf_req_drain callers waiting */
   uint64_t fill_enq;            /* seq of the last enqueued fill */
   uint64_t fill_busy[FILL_WORKERS];     /* seq a worker runs, 0 = none */
@@ -428,7 +431,7 @@ static bool
 batch_ready (const struct bcf_req *r)
 {
   return r->fill_count >= FILL_BATCH || r->fill_bytes >= FILL_BATCH_BYTES ||
-         r->fill_drainers || r->fill_stop;
+         r->fill_writes || r->fill_drainers || r->fill_stop;
 }
 
 /* Each worker takes what is queued, up to FILL_BATCH fills and
@@ -438,7 +441,9 @@ batch_ready (const struct bcf_req *r)
  * are consecutive and fill_busy holds the first (for drain).
  *
  * A small batch lingers until its oldest fill is FILL_LINGER_NS old,
- * unless the batch fills up or a drain (FLUSH) or stop wants it: at a few
+ * unless the batch fills up, a write's fill is queued (until it is in,
+ * its range reads from the export: write_fill), or a drain (FLUSH) or
+ * stop wants it: at a few
  * thousand misses a second that turns one write per miss into one per
  * twenty or so.  Each submission rings the device's doorbell, which on a
  * virtual disk is an exit to the hypervisor: on the 2-CPU VM of
@@ -491,6 +496,8 @@ fill_worker (void *arg)
     last->next = NULL;
     r->fill_bytes -= bytes;
     r->fill_count -= n;
+    for (struct fill *t = batch; t; t = t->next)
+      r->fill_writes -= t->write;
     r->fill_busy[wa->idx] = batch->seq;
     pthread_mutex_unlock (&r->fill_lock);
 
@@ -535,6 +542,7 @@ queue_fill (struct bcf_req *r, struct bcf_miss *m, const void *data,
       r->fill_tail = f;
       r->fill_bytes += m->len;
       r->fill_count++;
+      r->fill_writes += write;
       queued = true;
       if (r->fill_count == 1 || batch_ready (r))
         pthread_cond_signal (&r->fill_work);
@@ -1817,14 +1825,17 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
   }
   *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count, offset,
                                            false));           /* W3 */
-  if (wf.m.len && *rc == 0)                                     /* W4 */
+  if (bcf_write_fill_done (r->c, &wf, *rc == 0) < 0)            /* W4 */
+    /* The older data may still be in memory: not to be served. */
+    cache_update_failed (r);
+  else if (wf.m.len && *rc == 0)
     queue_fill (r, &wf.m, (const uint8_t *) buf + (in.start - offset), true);
   else {
     if (wf.m.len)
       bcf_miss_cancel (r->c, &wf.m);
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   }
-  bcf_write_fill_end (r->c, s.start, s.end - s.start, &wf);
+  bcf_write_fill_end (r->c, &wf);
   return 1;
 }
 

@@ -397,41 +397,48 @@ void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
  * device write nor a journal write.
  *
  *   bcf_write_fill_begin  under the write's turn in the in-flight write
- *                         tracker: the span [span_off, +span_len) leaves
- *                         the cache (journalled where needed, not waited
- *                         for); if that removal is not durable yet, the
- *                         write-intent regions over the span are marked
- *                         durably instead (free while they are); and a
- *                         check key goes over [off, +len), the whole
- *                         blocks to cache, in wf->m (m.len 0: none,
- *                         nothing will be cached)
+ *                         tracker: if the span [span_off, +span_len)
+ *                         holds anything a crash could bring back, or
+ *                         anything at all (a checkpoint may capture it
+ *                         meanwhile), its write-intent regions are
+ *                         marked durably (free while they are); reads
+ *                         keep hitting the older data meanwhile
  *   ... the backing write ...
+ *   bcf_write_fill_done   the span leaves the cache (journalled where
+ *                         needed, not waited for), and if written, a
+ *                         check key goes over [off, +len), the whole
+ *                         blocks to cache, in wf->m (m.len 0: none)
  *   bcf_miss_fill / bcf_miss_cancel of wf->m   (a fill: the data is clean)
  *   bcf_write_fill_end    let go of the regions
  *
- * Why it keeps I2: the older data cannot come back after a crash while
- * the backing store may hold the newer one: either its removal is on the
- * journal already, or the region is marked, and recovery drops the clean
- * keys of marked regions; the mark is cleared, in the journal, only after
- * the whiteout, so a clear that survived a crash implies the whiteout
- * did.  The span must hold no dirty data (its dirty keys are the only
- * copy of acknowledged writes: request.c writes over them with dirty
- * keys).  Not for FUA writes: an older dirty version of a clean key may
- * still be in the journal, and only a durable newer key keeps recovery
- * from writing it back over the acknowledged data.
+ * Why it keeps I2: the older data cannot come back after a crash once the
+ * backing store may hold the newer: the region was marked before the
+ * backing write, and recovery drops the clean keys of marked regions;
+ * the mark is cleared, in the journal, only after the whiteout, so a
+ * clear that survived a crash implies the whiteout did.  Where the span
+ * held nothing, nothing can come back.  The span must hold no dirty data
+ * (its dirty keys are the only copy of acknowledged writes: request.c
+ * writes over them with dirty keys).  Not for FUA writes: an older dirty
+ * version of a clean key may still be in the journal, and only a durable
+ * newer key keeps recovery from writing it back over the acknowledged
+ * data.
  *
- * Returns 0; -EOPNOTSUPP without write-intent regions (opts); -EROFS,
- * -ENOSPC or -errno: nothing is held, the span may be invalidated but not
- * durably (the caller takes the dirty-key path or invalidates durably). */
+ * bcf_write_fill_begin returns 0; -EOPNOTSUPP without write-intent
+ * regions (opts); -EROFS, -ENOSPC or -errno: nothing is held (the caller
+ * takes the dirty-key path).  bcf_write_fill_done returns 0 or -errno:
+ * the span may still hold the older data in memory, which must then not
+ * be served (the caller gives the cache up). */
 struct bcf_write_fill {
   struct bcf_miss m;
+  uint64_t span_off, span_len, off, len;
   bool marked;                /* counted in its write-intent regions */
 };
 int bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
                           uint64_t span_len, uint64_t off, uint64_t len,
                           struct bcf_write_fill *wf);
-void bcf_write_fill_end (struct bcf_cache *c, uint64_t span_off,
-                         uint64_t span_len, struct bcf_write_fill *wf);
+int bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf,
+                         bool written);
+void bcf_write_fill_end (struct bcf_cache *c, struct bcf_write_fill *wf);
 
 /* ---- Dirty data (writeback) ---------------------------------------------- */
 

@@ -670,7 +670,8 @@ END_TEST
 /* The writeback workloads drive the request layer (bcf_req_*) as the
  * filter does, mostly in writeback mode, with no background threads: the
  * writeback runs where the workload says (bcf_req_writeback), and fills
- * are drained after each read, so that one seed makes the same
+ * are drained after each read and each write (writethrough caches a
+ * write over clean data as a fill), so that one seed makes the same
  * cache-device writes every time and write index N is the same write in
  * every run (a run that never reaches its power cut says so).
  *
@@ -871,6 +872,7 @@ static bool
 wb_write (struct wb *wb, uint64_t off, uint64_t len, bool fua)
 {
   struct run *r = wb->r;
+  int rc;
 
   if (!wb_room (wb, off, len) && !wb_flush (wb))
     return false;
@@ -885,8 +887,9 @@ wb_write (struct wb *wb, uint64_t off, uint64_t len, bool fua)
             "..%" PRIu64 ")%s", bcf_cache_mode_name (bcf_req_mode (wb->q)),
             off, len, off / BLOCK, (off + len - 1) / BLOCK,
             fua ? " FUA" : "");
-  if (!wb_ok (wb, bcf_req_write (wb->q, &r->b, r->buf, (uint32_t) len, off,
-                                 fua), fua ? "FUA write" : "write"))
+  rc = bcf_req_write (wb->q, &r->b, r->buf, (uint32_t) len, off, fua);
+  bcf_req_drain (wb->q);        /* the fills: the same writes every run */
+  if (!wb_ok (wb, rc, fua ? "FUA write" : "write"))
     return false;
   if (fua)
     wb_settle (wb, off, len);
