@@ -963,58 +963,31 @@ bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
   memset (wf, 0, sizeof *wf);
   if (c->opts.readonly)
     return -EROFS;
-  if (c->opts.write_intent_off)
-    return -EOPNOTSUPP;
   if (c->failed)
     return -ENOSPC;
   if ((r = to_sectors (c, span_off, span_len, &s, &e)) < 0)
     return r;
-  wf->span_off = span_off;
-  wf->span_len = span_len;
   wf->off = off;
   wf->len = len;
-  /* Anything in the span, even a key only memory has (a checkpoint may
-   * capture it while the backing write is in flight), or a removal not
-   * yet durable: the older data could come back, so the regions are
-   * marked before the backing write.  An empty span stays empty until
-   * bcf_write_fill_done (the write's turn keeps misses from caching). */
+  /* Only where nothing could come back: no key at all (bcf_invalidate's
+   * test for a removal that needs no journal), no stale key a crash
+   * could revive (unpersisted gens), no removal still in flight to the
+   * journal.  The write's turn keeps it so until bcf_write_fill_done
+   * (a read miss meanwhile lays a check key and takes it out again). */
   pthread_rwlock_rdlock (&c->tree_lock);
   st = range_state_locked (c, s, e, &rseq);
   unpersisted = alloc_gens_unpersisted (c);
   pthread_rwlock_unlock (&c->tree_lock);
-  if (st != RANGE_EMPTY || unpersisted || (rseq && journal_pending (c, rseq))) {
-    if ((r = intent_write_begin (c, s, e)) < 0)
-      return r;
-    wf->marked = true;
-  }
-  return 0;
-}
-
-int
-bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf,
-                     bool written)
-{
-  int r;
-
-  /* The older data out, journalled where a crash could bring it back
-   * (not waited for: the mark covers it, and its clear comes after this
-   * whiteout in the journal). */
-  if ((r = bcf_invalidate (c, wf->span_off, wf->span_len, false)) < 0)
-    return r;
-  if (written && wf->len > 0 &&
-      bcf_miss_begin (c, wf->off, wf->len, &wf->m) < 0)
-    wf->m.len = 0;              /* not cached: the span is empty */
+  if (st != RANGE_EMPTY || unpersisted || (rseq && journal_pending (c, rseq)))
+    return -EEXIST;
   return 0;
 }
 
 void
-bcf_write_fill_end (struct bcf_cache *c, struct bcf_write_fill *wf)
+bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf)
 {
-  uint64_t s, e;
-
-  if (wf->marked && to_sectors (c, wf->span_off, wf->span_len, &s, &e) == 0)
-    intent_write_end (c, s, e);
-  wf->marked = false;
+  if (wf->len > 0 && bcf_miss_begin (c, wf->off, wf->len, &wf->m) < 0)
+    wf->m.len = 0;              /* not cached */
 }
 
 /* ---- dirty data ------------------------------------------------------------------- */

@@ -66,23 +66,11 @@
  *       stay dirty and are written back later (complete_cache_write);
  *   W5. bcf_bypass_end.
  *
- * Writethrough over no dirty data, not FUA, with write-intent regions
- * (write_fill, the common case): W2 is bcf_write_fill_begin, which marks
- * the span's regions durably if it holds anything (free while they are
- * marked); W3 the backing write; W4 bcf_write_fill_done invalidates the
- * span (journalled, not waited for) and lays a check key over the whole
- * blocks, the data is queued as a fill against it (or the key
- * cancelled), and the regions are let go.  No cache-device write and, in
- * a marked region, no journal write is in series with the write: its
- * latency is the export's.  I2 after a crash: the older data cannot come
- * back once the backing store may hold the newer, because its region is
- * marked (bcf_write_fill_begin in bcachefilter/cache.h).  Readers hit
- * the older data until W4 (the write is not acknowledged yet), then miss
- * and read the backing store until the fill is in.  The fill is a read
- * miss's (see below: a check key the write's own turn protects until
- * W5, which a later write's W4 replaces, so a late fill caches nothing);
- * it skips the fill queue's lingering (write fills: batch_ready), so
- * that window is one cache-device write.
+ * Writethrough to data the cache does not hold (write_fill):
+ * W2 checks the span is empty (bcf_write_fill_begin: nothing in memory,
+ * nothing a crash could bring back), W3 is the backing write, W4 lays a
+ * check key and queues the data as a fill, a read miss's (see below):
+ * no cache-device write is in series with the write.
  *
  * Writeback mode (should_write_back: bcache's should_writeback and its
  * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
@@ -1797,45 +1785,39 @@ write_back (struct bcf_req *r, struct span in, const void *data, bool fua)
   return 1;
 }
 
-/* Writethrough of a write over no dirty data, W2 to W4 as a fill
- * (bcf_write_fill_begin): the span leaves the cache and its write-intent
- * regions are marked (no wait while they are), the backing write goes
- * out at once, and the data is cached after it, by the fill queue, clean.
- * The write waits for no cache-device write and no journal write, where
- * cache_write's dirty keys put a device write (and, outside a marked
- * region, a journal write) in series with every write.  Reads in the
- * meantime miss on the check key and read the backing store; a later
- * overlapping write (its turn comes after ours, W5) replaces the check
- * key, and the late fill then finds it gone and caches nothing
- * (write_collisions).  Returns 1 and the backing write's result in *rc
- * if done; 0 if not taken (the caller goes on with cache_write). */
+/* Writethrough of a write to data the cache does not hold, W2 to W4 as a
+ * fill (bcf_write_fill_begin): the backing write goes out at once, and
+ * the data is cached after it, by the fill queue, clean, without its
+ * lingering.  The write waits for no cache-device write, where
+ * cache_write's dirty keys put one in series with every write.  A reader
+ * meanwhile misses and reads the backing store (the old data before W3,
+ * the new after) and, the range being the write's until W5, caches
+ * nothing; a later overlapping write replaces the check key, so a late
+ * fill caches nothing (write_collisions).  Returns 1 and the backing
+ * write's result in *rc if done; 0 if not taken (the span holds data, or
+ * the cache cannot take it: the caller goes on with cache_write). */
 static int
 write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
             struct span in, const void *buf, uint32_t count, uint64_t offset,
-            int *rc)
+            bool fua, int *rc)
 {
   struct bcf_write_fill wf;
   int e = bcf_write_fill_begin (r->c, s.start, s.end - s.start, in.start,
                                 in.end - in.start, &wf);
 
   if (e < 0) {
-    if (e != -EOPNOTSUPP && e != -ENOSPC && e != -EROFS)
+    if (e != -EEXIST && e != -ENOSPC && e != -EROFS)
       device_error (r);
     return 0;
   }
   *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count, offset,
-                                           false));           /* W3 */
-  if (bcf_write_fill_done (r->c, &wf, *rc == 0) < 0)            /* W4 */
-    /* The older data may still be in memory: not to be served. */
-    cache_update_failed (r);
-  else if (wf.m.len && *rc == 0)
+                                           fua));             /* W3 */
+  if (*rc == 0)                                                 /* W4 */
+    bcf_write_fill_done (r->c, &wf);
+  if (*rc == 0 && wf.m.len)
     queue_fill (r, &wf.m, (const uint8_t *) buf + (in.start - offset), true);
-  else {
-    if (wf.m.len)
-      bcf_miss_cancel (r->c, &wf.m);
+  else
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
-  }
-  bcf_write_fill_end (r->c, &wf);
   return 1;
 }
 
@@ -1908,8 +1890,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   insert = insert && in.start < in.end;
   if (!insert && !off)
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
-  if (insert && !dirty && !fua && !cache_off (r) &&
-      write_fill (r, b, s, in, data, (uint32_t) wlen, woff, &rc)) {
+  if (insert && !dirty && !cache_off (r) &&
+      write_fill (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc)) {
     bcf_bypass_end (r->tracker, &tok);                         /* W5 */
     free (wide);
     return rc;

@@ -391,54 +391,40 @@ int bcf_write_undo (struct bcf_cache *c, struct bcf_write *w);
 int64_t bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w);
 void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
 
-/* Writethrough writes that need no dirty keys (DESIGN.md "Writes on
- * dirty keys", write-intent regions): the cache gets the data after the
- * backing store has it, as a fill, so the write waits for neither a cache
- * device write nor a journal write.
+/* Writethrough writes to data the cache does not hold (DESIGN.md "Writes
+ * on dirty keys": where nothing was cached, the cache update and the
+ * backing write may run in parallel): the cache gets the data after the
+ * backing store has it, as a fill, so the write waits for no cache-device
+ * write.
  *
  *   bcf_write_fill_begin  under the write's turn in the in-flight write
- *                         tracker: if the span [span_off, +span_len)
- *                         holds anything a crash could bring back, or
- *                         anything at all (a checkpoint may capture it
- *                         meanwhile), its write-intent regions are
- *                         marked durably (free while they are); reads
- *                         keep hitting the older data meanwhile
+ *                         tracker: 0 if the span [span_off, +span_len)
+ *                         holds nothing a crash could bring back and
+ *                         nothing in memory either; -EEXIST if it does
+ *                         (the caller writes dirty keys first instead)
  *   ... the backing write ...
- *   bcf_write_fill_done   the span leaves the cache (journalled where
- *                         needed, not waited for), and if written, a
- *                         check key goes over [off, +len), the whole
- *                         blocks to cache, in wf->m (m.len 0: none)
+ *   bcf_write_fill_done   if it succeeded: a check key over [off, +len),
+ *                         the whole blocks to cache, in wf->m (m.len 0:
+ *                         none, nothing will be cached)
  *   bcf_miss_fill / bcf_miss_cancel of wf->m   (a fill: the data is clean)
- *   bcf_write_fill_end    let go of the regions
  *
- * Why it keeps I2: the older data cannot come back after a crash once the
- * backing store may hold the newer: the region was marked before the
- * backing write, and recovery drops the clean keys of marked regions;
- * the mark is cleared, in the journal, only after the whiteout, so a
- * clear that survived a crash implies the whiteout did.  Where the span
- * held nothing, nothing can come back.  The span must hold no dirty data
- * (its dirty keys are the only copy of acknowledged writes: request.c
- * writes over them with dirty keys).  Not for FUA writes: an older dirty
- * version of a clean key may still be in the journal, and only a durable
- * newer key keeps recovery from writing it back over the acknowledged
- * data.
+ * Why it keeps I2: there is no older data to come back, in memory or
+ * after a crash, and the fill's clean key is a read miss's, made durable
+ * only by a checkpoint, after the export barrier.  Why over cached data
+ * it would not pay: the range would have to leave the cache at the
+ * backing write, and a block read while it is written (the hot blocks of
+ * a zipf workload) would miss until the fill is in.
  *
- * bcf_write_fill_begin returns 0; -EOPNOTSUPP without write-intent
- * regions (opts); -EROFS, -ENOSPC or -errno: nothing is held (the caller
- * takes the dirty-key path).  bcf_write_fill_done returns 0 or -errno:
- * the span may still hold the older data in memory, which must then not
- * be served (the caller gives the cache up). */
+ * bcf_write_fill_begin returns 0, -EEXIST, or -EROFS, -ENOSPC, -errno
+ * (the cache cannot take it now). */
 struct bcf_write_fill {
   struct bcf_miss m;
-  uint64_t span_off, span_len, off, len;
-  bool marked;                /* counted in its write-intent regions */
+  uint64_t off, len;
 };
 int bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
                           uint64_t span_len, uint64_t off, uint64_t len,
                           struct bcf_write_fill *wf);
-int bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf,
-                         bool written);
-void bcf_write_fill_end (struct bcf_cache *c, struct bcf_write_fill *wf);
+void bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf);
 
 /* ---- Dirty data (writeback) ---------------------------------------------- */
 

@@ -186,28 +186,20 @@ writer_thread (void *arg)
  * data in as a dirty key: the read returns the new data already.  The
  * read is half the write, so that it is not a stream past the cutoff. */
 static void
-seed_race_intent (enum bcf_cache_mode mode, bool warm, uint64_t cutoff,
-                  bool intent_off)
+seed_race (enum bcf_cache_mode mode, bool warm, uint64_t cutoff)
 {
   struct fx f;
   uint8_t old[64 * 1024], new[64 * 1024], got[32 * 1024];
   const uint64_t off = 8 * MiB;
-  const bool dirty = mode == BCF_MODE_WRITETHROUGH && cutoff == 0 &&
-                     intent_off;
-  /* Cached as a fill after its backing write: the older data stays until
-   * then (the write is not acknowledged yet). */
-  const bool fill = mode == BCF_MODE_WRITETHROUGH && cutoff == 0 &&
-                    !intent_off;
+  /* Over cached data a writethrough write puts its dirty keys in first;
+   * over uncached data it is cached after its backing write, as a fill
+   * (write_fill), and meanwhile the range reads as a miss. */
+  const bool dirty = mode == BCF_MODE_WRITETHROUGH && cutoff == 0 && warm;
   struct mem_backing_gate *g;
   struct writer w;
   pthread_t t;
 
   fx_init (&f, "race.img", 64 * MiB, mode);
-  if (intent_off) {
-    fx_close (&f);
-    f.opts.write_intent_off = true;
-    fx_open (&f);
-  }
   if (cutoff)
     bcf_req_set_sequential_cutoff (f.r, cutoff);
   pattern (old, sizeof old, 0xaa);
@@ -226,7 +218,7 @@ seed_race_intent (enum bcf_cache_mode mode, bool warm, uint64_t cutoff,
                  "the write never reached the backing store");
 
   /* The write is between its cache update and its backing write. */
-  ck_assert (cached (&f, off, sizeof got) == (dirty || (fill && warm)));
+  ck_assert (cached (&f, off, sizeof got) == dirty);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
   ck_assert (memcmp (got, dirty ? new : old, sizeof got) == 0);
   bcf_req_drain (f.r);          /* the read's fill, if any, has run */
@@ -246,18 +238,6 @@ seed_race_intent (enum bcf_cache_mode mode, bool warm, uint64_t cutoff,
   ck_assert_msg (memcmp (got, new, sizeof got) == 0,
                  "stale read after restart");
   fx_free (&f);
-}
-
-/* With write-intent regions (the default) a writethrough write over no
- * dirty data is cached after its backing write, as a fill (write_fill):
- * meanwhile the range reads as a miss.  Without them it goes in as dirty
- * keys first (cache_write). */
-static void
-seed_race (enum bcf_cache_mode mode, bool warm, uint64_t cutoff)
-{
-  seed_race_intent (mode, warm, cutoff, false);
-  if (mode == BCF_MODE_WRITETHROUGH && cutoff == 0)
-    seed_race_intent (mode, warm, cutoff, true);
 }
 
 START_TEST (seed_race_writearound)
@@ -614,9 +594,8 @@ END_TEST
  * disagreeing (see overlapping_writethrough_writes for which park).
  * Returns whether cache and backing store agreed. */
 static bool
-overlapping_writes_intent (enum bcf_cache_mode mode,
-                           enum mem_backing_gate_point when, bool ordered,
-                           bool intent_off)
+overlapping_writes (enum bcf_cache_mode mode, enum mem_backing_gate_point when,
+                    bool ordered, bool warm)
 {
   struct fx f;
   uint8_t a[16384], b[16384], got[16384], back[16384];
@@ -627,10 +606,9 @@ overlapping_writes_intent (enum bcf_cache_mode mode,
   bool agree;
 
   fx_init (&f, "overlap.img", 64 * MiB, mode);
-  if (intent_off) {
-    fx_close (&f);
-    f.opts.write_intent_off = true;
-    fx_open (&f);
+  if (warm) {         /* cached: W1 puts dirty keys in first */
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert (cached (&f, off, sizeof got));
   }
   bcf_req_test_disable_ordering (f.r, !ordered);
   pattern (a, sizeof a, 0xa1);
@@ -678,28 +656,26 @@ overlapping_writes_intent (enum bcf_cache_mode mode,
 
 START_TEST (overlapping_writethrough_writes)
 {
-  /* With write-intent regions writes are cached as fills after their
-   * backing writes; without, as dirty keys before them. */
-  for (int intent_off = 0; intent_off <= 1; intent_off++) {
-    overlapping_writes_intent (BCF_MODE_WRITETHROUGH, MEM_BACKING_BEFORE_IO,
-                               true, intent_off);
-    overlapping_writes_intent (BCF_MODE_WRITETHROUGH, MEM_BACKING_AFTER_IO,
-                               true, intent_off);
-    overlapping_writes_intent (BCF_MODE_WRITEAROUND, MEM_BACKING_BEFORE_IO,
-                               true, intent_off);
+  /* Over cached data writes go in as dirty keys before their backing
+   * writes; over uncached data, as fills after them. */
+  for (int warm = 0; warm <= 1; warm++) {
+    overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_BEFORE_IO, true,
+                        warm);
+    overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_AFTER_IO, true,
+                        warm);
+    overlapping_writes (BCF_MODE_WRITEAROUND, MEM_BACKING_BEFORE_IO, true,
+                        warm);
     /* The negative control: without the ordering, W1's data lands last
      * in the backing store while the cache keeps W2's (dirty keys, W1
      * parked before its I/O); or W2's lands last while the cache keeps
      * W1's (fills, which go in after the backing write: W1 parked after
      * its I/O, its fill after W2's). */
-    ck_assert_msg (!overlapping_writes_intent (BCF_MODE_WRITETHROUGH,
-                                               intent_off
-                                               ? MEM_BACKING_BEFORE_IO
-                                               : MEM_BACKING_AFTER_IO,
-                                               false, intent_off),
+    ck_assert_msg (!overlapping_writes (BCF_MODE_WRITETHROUGH,
+                                        warm ? MEM_BACKING_BEFORE_IO
+                                        : MEM_BACKING_AFTER_IO, false, warm),
                    "without the ordering the interleaving should leave the "
-                   "cache and the backing store disagreeing (write-intent "
-                   "regions %s)", intent_off ? "off" : "on");
+                   "cache and the backing store disagreeing (%s)",
+                   warm ? "cached, dirty keys" : "uncached, fills");
   }
 }
 END_TEST
@@ -1127,8 +1103,7 @@ END_TEST
  * see begin_backing_change); either way the restarted cache must agree
  * with the backing store.  Once the device takes writes again it is
  * marked and everything works. */
-static void
-unforgettable_write (bool intent_off)
+START_TEST (unforgettable_write_fails)
 {
   struct fx f;
   uint8_t a[65536], b2[65536], got[65536];
@@ -1137,11 +1112,6 @@ unforgettable_write (bool intent_off)
   int rc, rc10;
 
   fx_init (&f, "unforgettable.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  if (intent_off) {
-    fx_close (&f);
-    f.opts.write_intent_off = true;
-    fx_open (&f);
-  }
   pattern (a, sizeof a, 0x31);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 0, false), 0);
   ck_assert (cached (&f, 0, sizeof a));
@@ -1152,30 +1122,13 @@ unforgettable_write (bool intent_off)
   rc = bcf_req_write (f.r, &f.b, b2, sizeof b2, 0, false);
   rc10 = bcf_req_write (f.r, &f.b, b2, sizeof b2, 10 * MiB, false);
   ck_assert (rc10 == 0 || rc10 == -EIO);
-  bcf_req_drain (f.r);
   bcf_req_get_stats (f.r, &rs);
-  /* A durable update that fails gives the cache up at once; a fill that
-   * fails (write-intent regions: the writes' data goes in as fills) is a
-   * device error like a read miss's, counted towards the error limit. */
-  if (intent_off)
-    ck_assert (rs.passthrough);
-  else
-    ck_assert_uint_ge (rs.device_errors, 1);
+  ck_assert (rs.passthrough);
 
   restart_and_check_agrees (&f, 0, rc);
+  ck_assert_int_eq (rc, -EIO);
   mem_backing_peek (f.mb, got, sizeof got, 0);
-  if (intent_off) {
-    ck_assert_int_eq (rc, -EIO);
-    ck_assert (memcmp (got, a, sizeof got) == 0); /* the write did not land */
-  }
-  else {
-    /* The first write marked the region durably, and the mark is still
-     * there: a restart drops the region's clean keys, so the write may
-     * pass (restart_and_check_agrees checked that nothing older came
-     * back). */
-    ck_assert (rc == 0 || rc == -EIO);
-    ck_assert (memcmp (got, rc == 0 ? b2 : a, sizeof got) == 0);
-  }
+  ck_assert (memcmp (got, a, sizeof got) == 0);   /* the write did not land */
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 10 * MiB), 0);
   if (rc10 == 0)
     ck_assert (memcmp (got, b2, sizeof got) == 0);
@@ -1184,12 +1137,6 @@ unforgettable_write (bool intent_off)
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 0), 0);
   ck_assert (memcmp (got, b2, sizeof got) == 0);
   fx_free (&f);
-}
-
-START_TEST (unforgettable_write_fails)
-{
-  unforgettable_write (true);
-  unforgettable_write (false);
 }
 END_TEST
 
