@@ -368,7 +368,8 @@ if has_phase baseline; then
             --size=256M --time_based --runtime=5 ${j#* }
     done
     rm -f "$WORKDIR/dev-test.img"
-    PYTHONPATH="$HERE/bench" python3 - "$OUTDIR" "$WB_BS" >"$BASE" <<'EOF'
+    PYTHONPATH="$HERE/bench" PYTHONDONTWRITEBYTECODE=1 \
+        python3 - "$OUTDIR" "$WB_BS" >"$BASE" <<'EOF'
 import json, sys
 wb_rate_trace = __import__("wb-rate-trace")
 d = sys.argv[1]
@@ -403,7 +404,7 @@ drain() {
     seq)    fill=(--rw=write --bs="$SEQ_BS" --size="$DIRTY_BYTES")
             label="$SEQ_BS sequential writes, QD16" ;;
     esac
-    fill+=(--iodepth=16 --verify=crc32c --randseed=1414)
+    fill+=(--iodepth=16 --verify=crc32c --verify_state_save=0 --randseed=1414)
     say "drain-$v: fresh remote and cache ($(numfmt --to=iec "$DRAIN_CACHE_BYTES")), writeback paused, writing $DIRTY ($label)"
     start_remote "drain-$v"
     start_filter "drain-$v" "$DRAIN_CACHE_BYTES" bcache-sequential-cutoff=0
