@@ -40,6 +40,7 @@ STATS = [
     "buckets_dirty", "buckets_meta", "nbuckets", "bucket_bytes",
     "cache_available_percent", "writeback_running", "writeback_flushing",
     "writeback_backing_errors", "writeback_read_errors",
+    "buckets_clean", "gc_passes",
 ]
 COLS = ["t", "dirty_pct"] + STATS
 
