@@ -59,6 +59,13 @@
 #                       bandwidth: compare the QD1 random baseline too.
 #               seq     SEQ_BS (1M) sequential writes at QD16: contiguous
 #                       keys, merged into backing writes of WB_BS.
+#             A shared host's speed drifts between phases, so each drain
+#             also has its own references, measured in the same minutes:
+#             fio alone on a second fresh remote (same configuration),
+#             sequential WB_BS writes at QD1 and random 4 KiB writes at
+#             QD1, BASE_SECONDS each, once while the script waits for the
+#             idle boost and once right after the drain; target 1's ratio
+#             is the drain over the mean of the two sequential figures.
 #             Afterwards fio --verify_only reads the remote directly: it
 #             must hold exactly what was written.  The table gives the
 #             writeback's counters over the drain (keys done and failed),
@@ -268,10 +275,10 @@ trap 'exit 129' HUP
 } | tee "$OUTDIR/machine.txt" >&2
 
 # ---- servers ----------------------------------------------------------------
-# start_remote NAME: a fresh remote; its stats go to remote.NAME.stats
-# when it stops.
+# start_remote NAME [SOCKET]: a fresh remote (on RSOCK by default); its
+# stats go to remote.NAME.stats when it stops.
 start_remote() {
-    start_nbdkit "remote-$1" "$RSOCK" --filter=stats --filter=delay \
+    start_nbdkit "remote-$1" "${2:-$RSOCK}" --filter=stats --filter=delay \
         memory size="$SIZE_BYTES" delay-write=1ms delay-read=1ms \
         statsfile="$OUTDIR/remote.$1.stats"
     REMOTE_PID=$SERVER_PID
@@ -394,6 +401,31 @@ EOF
 fi
 
 # ---- drain --------------------------------------------------------------------
+# near_base VARIANT WHEN: the references of one drain measured within the
+# same minute, since a shared host's speed drifts between phases: fio
+# alone on a second fresh remote (same configuration, its own socket),
+# sequential WB_BS writes at QD1 and random 4 KiB writes at QD1, into
+# near.VARIANT.{seq,rand}.WHEN.json.
+near_base() {
+    local v=$1 when=$2 j pid main=$REMOTE_PID
+    for j in seq rand; do
+        start_remote "near-$v-$j-$when" "$WORKDIR/remote2.sock"
+        pid=$REMOTE_PID
+        REMOTE_PID=$main
+        if [[ $j == seq ]]; then
+            run_fio "near-$j" "$WORKDIR/remote2.sock" \
+                "$OUTDIR/near.$v.$j.$when.json" --rw=write --bs="$WB_BS" \
+                --iodepth=1 --size="$SIZE_BYTES" --runtime="$BASE_SECONDS"
+        else
+            run_fio "near-$j" "$WORKDIR/remote2.sock" \
+                "$OUTDIR/near.$v.$j.$when.json" --rw=randwrite --bs=4k \
+                --iodepth=1 --size="$SIZE_BYTES" --norandommap \
+                --time_based --runtime="$BASE_SECONDS"
+        fi
+        stop_pid "$pid"
+    done
+}
+
 # drain VARIANT: pause, fill, wait for the idle boost, resume, time the
 # drain, verify the remote.
 drain() {
@@ -416,10 +448,15 @@ drain() {
     [[ $dirty == "$DIRTY_BYTES" ]] ||
         die "drain-$v: the fill of $DIRTY_BYTES bytes left $dirty bytes dirty (cutoff? see $OUTDIR/drain.$v.filled.json)"
 
-    say "drain-$v: waiting, paused, for the idle boost (writeback_rate_at_max)"
+    say "drain-$v: waiting, paused, for the idle boost (writeback_rate_at_max); meanwhile fio alone on a second remote"
     python3 "$TRACE" sample --bctl "$BCTL" --ctl "$CTLSOCK" \
         --out "$OUTDIR/drain.$v.idle.tsv" --every 1 --until at_max \
-        --timeout 120 --result "$OUTDIR/drain.$v.idle.json" || rc=$?
+        --timeout 120 --result "$OUTDIR/drain.$v.idle.json" &
+    local spid=$!
+    PIDS+=("$spid")
+    near_base "$v" before
+    wait "$spid" || rc=$?
+    stop_pid "$spid"
     if (( rc == 3 )); then
         say "drain-$v: WARNING: no idle boost after 120 s; draining at the controller's rate"
     elif (( rc != 0 )); then die "drain-$v: sampling failed"; fi
@@ -438,6 +475,8 @@ drain() {
             die "drain-$v: $e = $(sval "$OUTDIR/drain.$v.stats.json" $e)"
     done
 
+    say "drain-$v: fio alone on a second remote again"
+    near_base "$v" after
     say "drain-$v: verifying the remote against what was written"
     ( run_fio "fill-$v" "$RSOCK" "$OUTDIR/verify.$v.json" "${fill[@]}" \
           --verify_only=1 ) || verify=FAILED
@@ -445,7 +484,7 @@ drain() {
     stop_pid "$REMOTE_PID"
     python3 "$TRACE" drain-result "$label" "$OUTDIR/drain.$v.sample.json" \
         "$OUTDIR/drain.$v.idle.json" "$OUTDIR/remote.drain-$v.stats" \
-        "$verify" "$OUTDIR/drain.$v.result.json"
+        "$verify" "$OUTDIR/drain.$v.result.json" "$OUTDIR/near.$v"
     say "drain-$v: $(jget "$OUTDIR/drain.$v.result.json" seconds | xargs printf %.2f) s," \
         "$(jget "$OUTDIR/drain.$v.result.json" mib_s | xargs printf %.1f) MiB/s," \
         "$(jget "$OUTDIR/drain.$v.result.json" backing_writes) backing writes, verify $verify"
