@@ -68,7 +68,10 @@
  * themselves).  In writeback mode it follows bcache's writeback thread:
  * batches in key order from where the last one ended, each at most one
  * second's worth at the current rate, the rate limiter's delay between
- * them (bcf_wb_pi_next_delay), writeback_delay after a full pass, and
+ * them (bcf_wb_pi_next_delay), writeback_delay after a pass that
+ * searched the whole index (bcf_writeback_searched_full_index: as
+ * bcache's refill_dirty, only when the dirty keys left fit in one keybuf;
+ * under a steady load the scan wraps and goes on at once), and
  * every update_seconds a round of the PI controller (bcf_wb_pi_update,
  * bcache's constants, its fragmentation and idle boosts), which also
  * measures the buckets in use that the request path's cutoffs read.  A
@@ -101,6 +104,7 @@
 #define BACKOFF_MIN_MS  100
 #define BACKOFF_MAX_MS  30000
 #define DRAIN_RECHECK_MS 30000
+#define KEYBUF_KEYS     500             /* bcache's keybuf (refill_dirty) */
 
 struct run {
   struct bcf_bypass_token tok;
@@ -358,6 +362,23 @@ writeback_step (struct bcf_writeback *wb, uint64_t *pos, uint64_t budget,
   return 0;
 }
 
+bool
+bcf_writeback_searched_full_index (struct bcf_writeback *wb)
+{
+  struct bcf_extent *ext = malloc (KEYBUF_KEYS * sizeof *ext);
+  unsigned n = KEYBUF_KEYS;
+
+  /* bcache's writeback_delay follows a refill_dirty that scanned the
+   * whole index into its keybuf of 500 keys: few dirty keys are left.
+   * Sleeping after every wrap instead stopped the writeback for 30 s at
+   * each end of the key space however much was dirty (a finding of
+   * bench/wb-rate.sh's review of the thread). */
+  if (ext && bcf_dirty_scan (wb->c, 0, ext, KEYBUF_KEYS, &n) < 0)
+    n = KEYBUF_KEYS;
+  free (ext);
+  return n < KEYBUF_KEYS;
+}
+
 static bool
 stopping (struct bcf_writeback *wb)
 {
@@ -485,12 +506,15 @@ writeback_thread (void *arg)
     }
     backoff = 0;
     if (rc == 1) {
-      /* A full pass: bcache sleeps writeback_delay before the next. */
+      /* The end of the key space: bcache sleeps writeback_delay before
+       * it scans again only if the scan saw the whole index, else wraps
+       * and goes on. */
       pos = 0;
       wb->passes++;
       if (bcf_cache_dirty_bytes (wb->c) == 0)
         pass_ended_locked (wb, 0);
-      if (wb->flushers == 0 && !wb->hurry)
+      if (wb->flushers == 0 && !wb->hurry &&
+          (!wb->t.writeback || bcf_writeback_searched_full_index (wb)))
         sleep_locked (wb, wb->t.writeback ? (uint64_t) wb->t.delay_s * 1000 * ms
                       : (uint64_t) DRAIN_RECHECK_MS * ms);
       continue;

@@ -105,6 +105,10 @@ int bcf_writeback_set_tunables (struct bcf_writeback *wb,
 /* The buckets in use (dirty or metadata), in %, as last measured: the
  * request path's cutoffs read it (bcache's gc_stats.in_use). */
 unsigned bcf_writeback_in_use (struct bcf_writeback *wb);
+/* Would bcache's refill_dirty have scanned the whole index: fewer dirty
+ * extents than its keybuf holds (500)?  Then the thread sleeps
+ * writeback_delay at the end of a pass. */
+bool bcf_writeback_searched_full_index (struct bcf_writeback *wb);
 /* Write back everything at full speed, and wait until nothing is dirty,
  * the backing store fails (its -errno), or timeout_ms passed (-ETIMEDOUT;
  * 0: no limit).  progress, if not NULL, is called about once a second

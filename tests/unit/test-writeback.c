@@ -24,6 +24,7 @@
 
 #include "bcachefilter/cache.h"
 #include "bcachefilter/request.h"
+#include "bypass.h"
 #include "engine.h"
 #include "io.h"
 #include "mem-backing.h"
@@ -676,6 +677,36 @@ START_TEST (writethrough_over_dirty_backing_fails)
 }
 END_TEST
 
+/* bcache sleeps writeback_delay only after a refill that scanned the
+ * whole index into its keybuf of 500 keys (refill_dirty): with more dirty
+ * extents than that the writeback wraps and goes on.  600 separate dirty
+ * extents, then 100. */
+START_TEST (delay_only_after_whole_index)
+{
+  struct fx f;
+  static uint8_t blk[4096];
+  struct bcf_writeback *wb;
+  struct bcf_bypass *t;
+
+  fx_init (&f, "keybuf.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  memset (blk, 0x3c, sizeof blk);
+  for (unsigned i = 0; i < 600; i++)       /* every other block: no merge */
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, blk, sizeof blk,
+                                     (uint64_t) i * 2 * sizeof blk, false), 0);
+  ck_assert_ptr_nonnull (t = bcf_bypass_new (64 * MiB));
+  ck_assert_ptr_nonnull (wb = bcf_writeback_new (f.c, t, &f.b, false));
+  ck_assert (!bcf_writeback_searched_full_index (wb));
+  ck_assert_int_eq (bcf_req_writeback (f.r, &f.b), 0);
+  for (unsigned i = 0; i < 100; i++)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, blk, sizeof blk,
+                                     (uint64_t) i * 2 * sizeof blk, false), 0);
+  ck_assert (bcf_writeback_searched_full_index (wb));
+  bcf_writeback_free (wb);
+  bcf_bypass_free (t);
+  fx_free (&f);
+}
+END_TEST
+
 static Suite *
 writeback_suite (void)
 {
@@ -694,6 +725,7 @@ writeback_suite (void)
   ADD (writeback_journals_before_backing_write);
   ADD (writeback_thread_and_flush);
   ADD (rate_controller);
+  ADD (delay_only_after_whole_index);
   ADD (cutoff_writes_through);
   ADD (failing_device_keeps_dirty_data);
   ADD (dirty_data_never_fills_the_cache);
