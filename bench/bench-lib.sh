@@ -14,6 +14,14 @@
 #                              SERVER_PID is its pid
 #   start_nbdkit NAME SOCKET ARGS...      nbdkit -f --exit-with-parent
 #   start_qemu_nbd NAME SOCKET ARGS...    qemu-nbd (setpriv --pdeathsig)
+#   bench_dirs NAME            WORKDIR (mktemp -d /var/tmp/NAME.XXXXXX
+#                              unless set; MADE_WORKDIR=1 then) and OUTDIR
+#                              (/var/tmp/NAME-results.DATE unless set),
+#                              both made and absolute
+#   bench_cleanup_on_exit FILE...   the exit trap: stop PIDS newest first,
+#                              then remove WORKDIR if bench_dirs made it,
+#                              else its sockets and the FILEs; KEEP=1
+#                              keeps everything
 
 die() { echo "${BENCH_NAME:-bench}: $*" >&2; exit 1; }
 say() { echo "[$(date +%T)] $*" >&2; }
@@ -76,4 +84,34 @@ start_qemu_nbd() {
     local name=$1 sock=$2 pre=(); shift 2
     if command -v setpriv >/dev/null; then pre=(setpriv --pdeathsig TERM); fi
     start_server "$name" "$sock" "${pre[@]}" qemu-nbd -k "$sock" "$@"
+}
+
+bench_dirs() {
+    local name=$1
+    MADE_WORKDIR=0
+    if [[ -z ${WORKDIR:-} ]]; then
+        WORKDIR=$(mktemp -d "/var/tmp/$name.XXXXXX")
+        MADE_WORKDIR=1
+    fi
+    mkdir -p "$WORKDIR"; WORKDIR=$(cd "$WORKDIR" && pwd)
+    OUTDIR=${OUTDIR:-/var/tmp/$name-results.$(date +%Y%m%d-%H%M%S)}
+    mkdir -p "$OUTDIR"; OUTDIR=$(cd "$OUTDIR" && pwd)
+}
+
+BENCH_CLEANUP_FILES=()
+bench_cleanup() {
+    local rc=$? i
+    trap - EXIT INT TERM HUP
+    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
+    if [[ ${KEEP:-0} == 1 ]]; then say "kept WORKDIR $WORKDIR"
+    elif [[ ${MADE_WORKDIR:-0} == 1 ]]; then rm -rf "$WORKDIR"
+    else rm -f "$WORKDIR"/*.sock "${BENCH_CLEANUP_FILES[@]}"; fi
+    exit "$rc"
+}
+bench_cleanup_on_exit() {
+    BENCH_CLEANUP_FILES=("$@")
+    trap bench_cleanup EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    trap 'exit 129' HUP
 }

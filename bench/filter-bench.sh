@@ -254,16 +254,7 @@ command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed
 command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
 
 # ---- work and output directories, cleanup --------------------------------
-MADE_WORKDIR=0
-if [[ -z ${WORKDIR:-} ]]; then
-    WORKDIR=$(mktemp -d /var/tmp/filter-bench.XXXXXX)
-    MADE_WORKDIR=1
-fi
-mkdir -p "$WORKDIR"
-WORKDIR=$(cd "$WORKDIR" && pwd)
-OUTDIR=${OUTDIR:-/var/tmp/filter-bench-results.$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUTDIR"
-OUTDIR=$(cd "$OUTDIR" && pwd)
+bench_dirs filter-bench
 
 RSOCK=$WORKDIR/remote.sock      # the remote
 FSOCK=$WORKDIR/front.sock       # the front end under test
@@ -272,24 +263,8 @@ DATA=$WORKDIR/data.img          # random data: remote's content, file ceiling
 CACHE=$WORKDIR/cache.img        # bcachefilter's cache
 PIDS=()                         # every process we started and not yet reaped
 
-cleanup() {
-    local rc=$? i
-    trap - EXIT INT TERM HUP
-    # newest first: fio and perf, then the front end, then the remote
-    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
-    if [[ $KEEP == 1 ]]; then
-        say "kept WORKDIR $WORKDIR"
-    elif [[ $MADE_WORKDIR == 1 ]]; then
-        rm -rf "$WORKDIR"
-    else
-        rm -f "$RSOCK" "$FSOCK" "$CTLSOCK" "$DATA" "$CACHE"
-    fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
+# newest first: fio and perf, then the front end, then the remote
+bench_cleanup_on_exit "$DATA" "$CACHE"
 
 # ---- machine --------------------------------------------------------------
 FSTYPE=$(findmnt -n -o FSTYPE -T "$WORKDIR" 2>/dev/null || stat -f -c %T "$WORKDIR")

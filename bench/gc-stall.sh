@@ -101,14 +101,7 @@ CACHE_BYTES=$(( (NKEYS * 4096 * 5 / 4 + MIB - 1) / MIB * MIB ))
 EXPORT_BYTES=$(( 4 * CACHE_BYTES ))
 PREFILL_BYTES=$(( NKEYS * 3 / 2 * 4096 ))
 
-MADE_WORKDIR=0
-if [[ -z ${WORKDIR:-} ]]; then
-    WORKDIR=$(mktemp -d /var/tmp/gc-stall.XXXXXX)
-    MADE_WORKDIR=1
-fi
-mkdir -p "$WORKDIR"; WORKDIR=$(cd "$WORKDIR" && pwd)
-OUTDIR=${OUTDIR:-/var/tmp/gc-stall-results.$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUTDIR"; OUTDIR=$(cd "$OUTDIR" && pwd)
+bench_dirs gc-stall
 AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
 (( AVAIL > 5 * CACHE_BYTES / 2 + (1 << 30) )) ||
     die "WORKDIR needs ~2.5 * $(numfmt --to=iec $CACHE_BYTES) free"
@@ -117,19 +110,7 @@ RSOCK=$WORKDIR/remote.sock
 CTLSOCK=$WORKDIR/ctl.sock
 CACHE=$WORKDIR/cache.img
 
-cleanup() {
-    local rc=$? i
-    trap - EXIT INT TERM HUP
-    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
-    if [[ $KEEP == 1 ]]; then say "kept WORKDIR $WORKDIR"
-    elif [[ $MADE_WORKDIR == 1 ]]; then rm -rf "$WORKDIR"
-    else rm -f "$WORKDIR"/*.sock "$CACHE"; fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
+bench_cleanup_on_exit "$CACHE"
 
 {
     echo "date:      $(date -Is)"

@@ -232,14 +232,7 @@ P_TERM_INVERSE=$(sed -n 's/^#define BCF_WB_P_TERM_INVERSE *\([0-9]*\).*/\1/p' \
 P_TERM_INVERSE=${P_TERM_INVERSE:-40}
 WB_BS=$(bytes "$WB_BS")
 
-MADE_WORKDIR=0
-if [[ -z ${WORKDIR:-} ]]; then
-    WORKDIR=$(mktemp -d /var/tmp/wb-rate.XXXXXX)
-    MADE_WORKDIR=1
-fi
-mkdir -p "$WORKDIR"; WORKDIR=$(cd "$WORKDIR" && pwd)
-OUTDIR=${OUTDIR:-/var/tmp/wb-rate-results.$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUTDIR"; OUTDIR=$(cd "$OUTDIR" && pwd)
+bench_dirs wb-rate
 AVAIL=$(df -B1 --output=avail "$WORKDIR" | tail -1)
 (( AVAIL > DRAIN_CACHE_BYTES + (1 << 30) )) ||
     die "WORKDIR needs ~$(numfmt --to=iec "$DRAIN_CACHE_BYTES") free"
@@ -249,19 +242,7 @@ FSOCK=$WORKDIR/filter.sock
 CTLSOCK=$WORKDIR/ctl.sock
 CACHE_IMG=$WORKDIR/cache.img
 
-cleanup() {
-    local rc=$? i
-    trap - EXIT INT TERM HUP
-    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
-    if [[ $KEEP == 1 ]]; then say "kept WORKDIR $WORKDIR"
-    elif [[ $MADE_WORKDIR == 1 ]]; then rm -rf "$WORKDIR"
-    else rm -f "$WORKDIR"/*.sock "$CACHE_IMG"; fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
+bench_cleanup_on_exit "$CACHE_IMG"
 
 {
     echo "date:      $(date -Is)"
