@@ -42,8 +42,12 @@ set -e
 set -x
 
 # marked_cache CACHE REMOTE: a 64 MiB cache that crashed (kill -9) with
-# a write-intent region marked: a write over cached data, in front of
-# the file REMOTE; the superblock must carry the write-intent bit.
+# a write-intent region marked: a write over cached data that a crash
+# could bring back, in front of the file REMOTE; the superblock must
+# carry the write-intent bit.  The range is read first, so that the
+# first write goes in as a dirty key, journalled (a write over nothing
+# cached is cached afterwards as a fill, which only a checkpoint would
+# make durable, and a write over that needs no mark).
 marked_cache ()
 {
     local mc="$1" mr="$2"
@@ -52,7 +56,8 @@ marked_cache ()
     start_remote file "$mr"
     start_proxy p bcache="$mc" bcache-size=64M bcache-bucket-size=64K \
         bcache-sequential-cutoff=0 bcache-ctl="$d/marked.ctl"
-    nbdio "$p_sock" fill 0 64k 0x11
+    nbdio "$p_sock" check 0 64k 0x00        # cached: a fill
+    nbdio "$p_sock" fill 0 64k 0x11         # over it: a dirty key
     nbdio "$p_sock" check 0 64k 0x11        # cached now
     nbdio "$p_sock" fill 0 64k 0x22         # over cached data: marks
     test "$(ctl_stat "$d/marked.ctl" intent_regions)" -ge 1 ||
