@@ -497,13 +497,7 @@ keyset_insert_batch (struct keyset *s, const struct ckey *w, size_t n)
     }
   }
   drop_array (s);
-  s->k = t.k;
-  s->nr = t.nr;
-  s->cap = t.cap;
-  s->head = t.head;
-  s->words = t.words;
-  s->ndirty = t.ndirty;
-  s->share = NULL;
+  *s = t;                       /* t: s's keep_whiteouts, not shared */
   return 0;
 }
 

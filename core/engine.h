@@ -444,13 +444,13 @@ int journal_replay (struct bcf_cache *c,
                                uint64_t seq, void *opaque),
                     void *opaque, uint64_t *nkeys, char *err, size_t errlen);
 void journal_replay_done (struct bcf_cache *c);
-/* Would an ordinary entry (not a checkpoint or prio commit) fail to find
- * room while keeping the reserve?  Then commit the btree first. */
 /* Entries that commit metadata (checkpoints, prio writes) may use the
  * last JOURNAL_RESERVE maximum-size slots of the ring; ordinary entries
  * may not, so a checkpoint can always commit and empty the ring: the
  * prio write it may need, the entry it sealed, and its commit. */
 #define JOURNAL_RESERVE 3
+/* Would an ordinary entry (not a checkpoint or prio commit) fail to find
+ * room while keeping the reserve?  Then commit the btree first. */
 bool journal_tight (struct bcf_cache *c);
 /* The seq of the open entry (flushing up to it makes everything
  * journalled so far durable). */

@@ -126,6 +126,23 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
   return st;
 }
 
+/* range_state_locked under tree_lock, with the allocator's word on stale
+ * keys a crash could revive (*unpersisted: gens not yet persisted), the
+ * two things that say whether anything in [s, e) could come back: what
+ * bcf_invalidate and bcf_write_fill_begin both ask. */
+static enum range_state
+range_look (struct bcf_cache *c, uint64_t s, uint64_t e, uint64_t *rseq,
+            bool *unpersisted)
+{
+  enum range_state st;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  st = range_state_locked (c, s, e, rseq);
+  *unpersisted = alloc_gens_unpersisted (c);
+  pthread_rwlock_unlock (&c->tree_lock);
+  return st;
+}
+
 /* How insert_key journals its key. */
 enum journal_how {
   JOURNAL_NEVER,              /* check keys: memory only */
@@ -679,10 +696,7 @@ invalidate_range (struct bcf_cache *c, uint64_t offset, uint64_t len,
   if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
     return r;
   atomic_fetch_add (&c->stats.invalidates, 1);
-  pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e, &d->seq);
-  unpersisted = alloc_gens_unpersisted (c);
-  pthread_rwlock_unlock (&c->tree_lock);
+  st = range_look (c, s, e, &d->seq, &unpersisted);
   if (st != RANGE_EMPTY || unpersisted)
     for (uint64_t p = s; p < e; p += MAX_KEY_SECTORS) {
       uint64_t pe = p + MAX_KEY_SECTORS < e ? p + MAX_KEY_SECTORS : e;
@@ -952,42 +966,27 @@ bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
 
 int
 bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
-                      uint64_t span_len, uint64_t off, uint64_t len,
-                      struct bcf_write_fill *wf)
+                      uint64_t span_len)
 {
   uint64_t s, e, rseq;
-  enum range_state st;
   bool unpersisted;
   int r;
 
-  memset (wf, 0, sizeof *wf);
   if (c->opts.readonly)
     return -EROFS;
   if (c->failed)
     return -ENOSPC;
   if ((r = to_sectors (c, span_off, span_len, &s, &e)) < 0)
     return r;
-  wf->off = off;
-  wf->len = len;
   /* Only where nothing could come back: no key at all (bcf_invalidate's
    * test for a removal that needs no journal), no stale key a crash
    * could revive (unpersisted gens), no removal still in flight to the
-   * journal.  The write's turn keeps it so until bcf_write_fill_done
+   * journal.  The write's turn keeps it so until its check key goes in
    * (a read miss meanwhile lays a check key and takes it out again). */
-  pthread_rwlock_rdlock (&c->tree_lock);
-  st = range_state_locked (c, s, e, &rseq);
-  unpersisted = alloc_gens_unpersisted (c);
-  pthread_rwlock_unlock (&c->tree_lock);
-  if (st != RANGE_EMPTY || unpersisted || (rseq && journal_pending (c, rseq)))
+  if (range_look (c, s, e, &rseq, &unpersisted) != RANGE_EMPTY ||
+      unpersisted || (rseq && journal_pending (c, rseq)))
     return -EEXIST;
   return 0;
-}
-
-void
-bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf)
-{
-  if (wf->len > 0 && bcf_miss_begin (c, wf->off, wf->len, &wf->m) < 0)
-    wf->m.len = 0;              /* not cached */
 }
 
 /* ---- dirty data ------------------------------------------------------------------- */

@@ -217,7 +217,7 @@
 #define FILL_BATCH 64                   /* fills per device submission */
 #define FILL_BATCH_BYTES (4u << 20)
 #define FILL_LINGER_NS 4000000ull       /* how long a small batch may wait */
-#define COST_SAMPLE_EVERY 8             /* hits per timed hit (read_hit) */
+#define COST_SAMPLE_EVERY 8             /* reads per sampled read (read_timed) */
 
 /* A queued cache fill: a check key and a copy of its data. */
 struct fill {
@@ -310,9 +310,12 @@ inflight_leave (struct bcf_inflight **t)
 /* The request latency histograms (stats.h): TIMED (r, kind, on) at the
  * top of an entry point reads the clock if on, and the cleanup attribute
  * records the time to its return under timer_.kind (which the function
- * may change: a read learns at its end whether it hit).  Reads are timed
- * one in COST_SAMPLE_EVERY per thread (read_timed), so the hit path
- * reads no clock for seven hits in eight, as in read_hit. */
+ * may change: a read learns at its end whether it hit).  One read in
+ * COST_SAMPLE_EVERY per thread is sampled (read_timed): its latency goes
+ * to the histogram and its hits' cost to cache_cost (read_hit), so the
+ * hit path reads no clock for seven reads in eight.  (Two samplers, one
+ * per request and one per hit, each reading the clock one time in eight,
+ * fell on different reads: four clock reads in eight.) */
 struct req_timer {
   struct bcf_stats *stats;
   enum bcf_latency kind;
@@ -326,11 +329,13 @@ req_timer_end (struct req_timer *t)
     bcf_stats_latency (t->stats, t->kind, bcf_now_ns () - t->t0);
 }
 
+static __thread bool read_sampled;      /* this thread's current read */
+
 static inline bool
 read_timed (void)
 {
   static __thread unsigned reads;
-  return reads++ % COST_SAMPLE_EVERY == 0;
+  return read_sampled = reads++ % COST_SAMPLE_EVERY == 0;
 }
 
 #define TIMED(r, k, on)                                                 \
@@ -1348,11 +1353,10 @@ static int
 read_hit (struct bcf_req *r, const struct bcf_backing *b,
           const struct bcf_extent *e, void *buf)
 {
-  /* The read-hit path: time one hit in COST_SAMPLE_EVERY per thread (and
-   * any while nothing is measured), so that hits neither read the clock
-   * twice nor write the shared average each time. */
-  static __thread unsigned hits;
-  bool timed = hits++ % COST_SAMPLE_EVERY == 0 ||
+  /* The read-hit path: time the hits of a sampled read (read_timed),
+   * and any while nothing is measured, so that hits neither read the
+   * clock each time nor write the shared average each time. */
+  bool timed = read_sampled ||
     atomic_load_explicit (&r->cache_cost.bytes8, memory_order_relaxed) == 0;
   uint64_t t0 = timed ? bcf_now_ns () : 0;
   int rc = bcf_read_hit (r->c, e, buf);
@@ -1505,6 +1509,7 @@ bcf_req_prefetch (struct bcf_req *r, const struct bcf_backing *b,
     return -ENOMEM;
   for (uint64_t pos = offset; pos < end && rc == 0; ) {
     uint64_t len = end - pos < PREFETCH_CHUNK ? end - pos : PREFETCH_CHUNK;
+    (void) read_timed ();       /* its hits' cost, one chunk in eight */
     rc = do_read (r, b, buf, (uint32_t) len, pos,
                   atomic_load (&r->mode) == BCF_MODE_NONE, &hit);
     pos += len;
@@ -1801,9 +1806,8 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
             struct span in, const void *buf, uint32_t count, uint64_t offset,
             bool fua, int *rc)
 {
-  struct bcf_write_fill wf;
-  int e = bcf_write_fill_begin (r->c, s.start, s.end - s.start, in.start,
-                                in.end - in.start, &wf);
+  struct bcf_miss m;
+  int e = bcf_write_fill_begin (r->c, s.start, s.end - s.start);
 
   if (e < 0) {
     if (e != -EEXIST && e != -ENOSPC && e != -EROFS)
@@ -1812,10 +1816,9 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
   }
   *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count, offset,
                                            fua));             /* W3 */
-  if (*rc == 0)                                                 /* W4 */
-    bcf_write_fill_done (r->c, &wf);
-  if (*rc == 0 && wf.m.len)
-    queue_fill (r, &wf.m, (const uint8_t *) buf + (in.start - offset), true);
+  if (*rc == 0 &&                                               /* W4 */
+      bcf_miss_begin (r->c, in.start, in.end - in.start, &m) == 0)
+    queue_fill (r, &m, (const uint8_t *) buf + (in.start - offset), true);
   else
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   return 1;

@@ -513,10 +513,19 @@ writeback_thread (void *arg)
       wb->passes++;
       if (bcf_cache_dirty_bytes (wb->c) == 0)
         pass_ended_locked (wb, 0);
-      if (wb->flushers == 0 && !wb->hurry &&
-          (!wb->t.writeback || bcf_writeback_searched_full_index (wb)))
-        sleep_locked (wb, wb->t.writeback ? (uint64_t) wb->t.delay_s * 1000 * ms
-                      : (uint64_t) DRAIN_RECHECK_MS * ms);
+      if (wb->flushers == 0 && !wb->hurry && wb->t.writeback) {
+        bool full;
+
+        /* The scan reads the tree (and may load leaves): no lock held,
+         * as for every other I/O of the thread. */
+        pthread_mutex_unlock (&wb->lock);
+        full = bcf_writeback_searched_full_index (wb);
+        pthread_mutex_lock (&wb->lock);
+        if (full && wb->flushers == 0 && !wb->hurry && wb->t.writeback)
+          sleep_locked (wb, (uint64_t) wb->t.delay_s * 1000 * ms);
+      }
+      else if (wb->flushers == 0 && !wb->hurry)
+        sleep_locked (wb, (uint64_t) DRAIN_RECHECK_MS * ms);
       continue;
     }
     sleep_ns = bcf_wb_pi_next_delay (&wb->pi, done >> 9, now);

@@ -403,10 +403,9 @@ void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
  *                         nothing in memory either; -EEXIST if it does
  *                         (the caller writes dirty keys first instead)
  *   ... the backing write ...
- *   bcf_write_fill_done   if it succeeded: a check key over [off, +len),
- *                         the whole blocks to cache, in wf->m (m.len 0:
- *                         none, nothing will be cached)
- *   bcf_miss_fill / bcf_miss_cancel of wf->m   (a fill: the data is clean)
+ *   bcf_miss_begin, then bcf_miss_fill / bcf_miss_cancel: the whole
+ *                         blocks written, cached as a read miss's are
+ *                         (the data is clean)
  *
  * Why it keeps I2: there is no older data to come back, in memory or
  * after a crash, and the fill's clean key is a read miss's, made durable
@@ -415,16 +414,10 @@ void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
  * backing write, and a block read while it is written (the hot blocks of
  * a zipf workload) would miss until the fill is in.
  *
- * bcf_write_fill_begin returns 0, -EEXIST, or -EROFS, -ENOSPC, -errno
- * (the cache cannot take it now). */
-struct bcf_write_fill {
-  struct bcf_miss m;
-  uint64_t off, len;
-};
+ * Returns 0, -EEXIST, or -EROFS, -ENOSPC, -errno (the cache cannot take
+ * it now). */
 int bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
-                          uint64_t span_len, uint64_t off, uint64_t len,
-                          struct bcf_write_fill *wf);
-void bcf_write_fill_done (struct bcf_cache *c, struct bcf_write_fill *wf);
+                          uint64_t span_len);
 
 /* ---- Dirty data (writeback) ---------------------------------------------- */
 
