@@ -253,6 +253,16 @@ keyset_contains (const struct keyset *s, const struct ckey *k)
          (!ckey_has_ptr (k) || s->k[i].ptr == k->ptr);
 }
 
+bool
+keyset_overlaps (const struct keyset *s, uint64_t inode, uint64_t start,
+                 uint64_t end)
+{
+  size_t i = keyset_search (s, inode, start);
+
+  return i < s->nr && ckey_inode (&s->k[i]) == inode &&
+         ckey_start (&s->k[i]) < end;
+}
+
 /* Insert at index i, moving the shorter side of the array: the keys
  * before i down into the room before the array, or those from i up into
  * the room after it.  A leaf holds thousands of keys and a miss inserts

@@ -156,6 +156,10 @@ size_t keyset_search (const struct keyset *s, uint64_t inode,
  * extent set, whose keys never overlap. */
 bool keyset_contains (const struct keyset *s, const struct ckey *k);
 
+/* Does s hold a key (or whiteout) overlapping [start, end) of inode? */
+bool keyset_overlaps (const struct keyset *s, uint64_t inode, uint64_t start,
+                      uint64_t end);
+
 /* Extent insert (level 0): trims/splits older overlapping keys, then adds
  * k (unless it is a whiteout and the set drops whiteouts).  Returns 0 or
  * -ENOMEM (the set is unchanged on failure).  Zero-size keys are ignored. */

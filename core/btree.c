@@ -170,6 +170,7 @@ node_free (struct bcf_cache *c, struct btree_node *n)
   hash_del (&c->tree, n, node_bucket (c, n));
   keyset_free (&n->keys);
   keyset_free (&n->open);
+  keyset_free (&n->dcopies);
   free (n);
   c->tree.nnodes--;
 }
@@ -383,6 +384,15 @@ inherit_open (struct btree_node *to, const struct btree_node *from,
   }
   if (from->open_jdata)
     to->open_jdata = true;
+  for (size_t i = 0; i < from->dcopies.nr; i++) {
+    struct ckey k = from->dcopies.k[i];
+    int r;
+
+    if (side != 0 && !clip_to_side (&k, mid, side))
+      continue;
+    if ((r = keyset_append (&to->dcopies, &k)) < 0)
+      return r;
+  }
   if (from->removal_seq > to->removal_seq)
     to->removal_seq = from->removal_seq;
   return 0;
@@ -532,10 +542,11 @@ dirty_in (const struct keyset *s, uint64_t inode, uint64_t start,
  * exact: an insert changes only what lies inside its own range.
  * survives: a crash can bring k back though no checkpoint captured it
  * (it is journalled, or it is the clean copy of a dirty key that a
- * journal entry or a committed node holds: it comes back dirty). */
+ * journal entry or a committed node holds); returns_dirty: and it comes
+ * back dirty (a journalled dirty key, or such a clean copy). */
 static int
 leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
-             bool survives)
+             bool survives, bool returns_dirty)
 {
   const uint64_t inode = ckey_inode (k), s = ckey_start (k), e = ckey_end (k);
   size_t before = n->keys.nr;
@@ -552,8 +563,11 @@ leaf_insert (struct bcf_cache *c, struct btree_node *n, const struct ckey *k,
   c->tree.leaf_inserts++;
   if (ckey_dirty (k) && ckey_has_ptr (k))
     alloc_mark_dirty (c, k->ptr);
-  if (survives && ckey_has_ptr (k) && !ckey_is_check (k))
+  if (survives && ckey_has_ptr (k) && !ckey_is_check (k)) {
     n->open_jdata = true;
+    if (returns_dirty && (r = keyset_insert (&n->dcopies, k)) < 0)
+      return r;
+  }
   c->tree.nkeys += n->keys.nr - before;
   if (n->keys.nr > c->tree.max_leaf_keys) {
     r = split_node (c, n);
@@ -578,7 +592,8 @@ piece_in_leaf (const struct btree_node *n, const struct ckey *k, uint64_t pos)
 }
 
 static int
-insert_pieces (struct bcf_cache *c, const struct ckey *k, bool survives)
+insert_pieces (struct bcf_cache *c, const struct ckey *k, bool survives,
+               bool returns_dirty)
 {
   uint64_t pos = ckey_start (k);
   struct ckey need;
@@ -594,7 +609,7 @@ insert_pieces (struct bcf_cache *c, const struct ckey *k, bool survives)
     if (!n)
       return -EIO;
     p = piece_in_leaf (n, k, pos);
-    if ((r = leaf_insert (c, n, &p, survives)) < 0)
+    if ((r = leaf_insert (c, n, &p, survives, returns_dirty)) < 0)
       return r;
     pos = ckey_end (&p);
   }
@@ -604,7 +619,7 @@ insert_pieces (struct bcf_cache *c, const struct ckey *k, bool survives)
 int
 btree_insert_locked (struct bcf_cache *c, const struct ckey *k, uint64_t jseq)
 {
-  return insert_pieces (c, k, jseq != 0);
+  return insert_pieces (c, k, jseq != 0, jseq != 0 && ckey_dirty (k));
 }
 
 void
@@ -650,11 +665,7 @@ bool
 btree_open_overlaps_locked (struct bcf_cache *c, const struct btree_node *n,
                             uint64_t inode, uint64_t start, uint64_t end)
 {
-  const struct keyset *o = &n->open;
-  size_t i = keyset_search (o, inode, start);
-
-  return i < o->nr && ckey_inode (&o->k[i]) == inode &&
-         ckey_start (&o->k[i]) < end;
+  return keyset_overlaps (&n->open, inode, start, end);
 }
 
 bool
@@ -736,7 +747,7 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
    * skip its journal write and the restart would write the dirty key's
    * data back over the newer data of the write that invalidated it. */
   for (size_t i = 0; i < n && r == 0; i++) {
-    r = insert_pieces (c, &match[i], true);
+    r = insert_pieces (c, &match[i], true, true);
     if (r == 0)
       cleaned += (int64_t) ckey_size (&match[i]);
   }
@@ -1324,6 +1335,8 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     keyset_free (&n->open);       /* its array too: splits fill it */
     keyset_init (&n->open, n->level == 0);
     n->open_jdata = false;
+    keyset_free (&n->dcopies);
+    keyset_init (&n->dcopies, false);
   }
   else {
     size_t len = capture_bset (c, s->ck, n, &n->open, true, n->written);
@@ -1333,6 +1346,8 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     keyset_free (&n->open);
     keyset_init (&n->open, n->level == 0);
     n->open_jdata = false;
+    keyset_free (&n->dcopies);
+    keyset_init (&n->dcopies, false);
   }
   n->rewrite = false;
   return 0;

@@ -224,9 +224,15 @@ struct btree_node {
    * open_jdata: the open set may hold a data key that a crash brings
    * back though no checkpoint wrote it: one a journal entry holds, or
    * the clean copy of a dirty key (btree_mark_clean_locked), which comes
-   * back dirty. */
+   * back dirty.  dcopies: those of them that come back dirty (the
+   * journalled dirty keys and such clean copies inserted since the open
+   * set was last captured; nothing but the capture removes them, so a
+   * range whose key left memory since still shows it): extent.c's
+   * range_returns_dirty_locked.  At most as many keys as went into the
+   * open set since its capture. */
   uint64_t removal_seq;
   bool open_jdata;
+  struct keyset dcopies;
   uint64_t last_use;        /* lru_clock at the last use (atomic) */
   struct btree_node *hash_next;
 };

@@ -126,6 +126,42 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
   return st;
 }
 
+/* Could a crash bring back a dirty version of anything in [s, e) (under
+ * tree_lock)?  Recovery keeps dirty data and writes it back, so a dirty
+ * key that comes back is written over whatever the export has since: a
+ * write-intent mark does not cover it (it drops only clean keys).  A
+ * dirty key now, or the clean copy of one (W4's clean marks are not
+ * journalled), comes back dirty if the journal or a committed node holds
+ * its dirty version: then it was inserted or marked clean since its
+ * leaf's open set was last captured, so the leaf's dcopies hold it, even
+ * if it left memory since (a stale key GC dropped while its bucket's new
+ * gen is not persisted, an invalidation); or a capture took it and has
+ * not committed yet.  A leaf not in memory has none (a leaf with open
+ * keys is never evicted).  Fills and bcf_insert's clean keys never come
+ * back dirty: they are not in dcopies. */
+static bool
+range_returns_dirty_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
+{
+  uint64_t pos = s;
+
+  if (c->tree.ckpt_uncommitted || btree_range_dirty_locked (c, c->inode, s, e))
+    return true;
+  while (pos < e) {
+    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
+    uint64_t leaf_end;
+
+    if (!leaf || leaf->evicted)
+      return false;
+    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
+               : UINT64_MAX;
+    if (keyset_overlaps (&leaf->dcopies, c->inode, pos,
+                         e < leaf_end ? e : leaf_end))
+      return true;
+    pos = leaf_end;
+  }
+  return false;
+}
+
 /* range_state_locked under tree_lock, with the allocator's word on stale
  * keys a crash could revive (*unpersisted: gens not yet persisted), the
  * two things that say whether anything in [s, e) could come back: what
@@ -157,6 +193,8 @@ struct durability {
   uint64_t seq;               /* journal entry to make durable */
   bool ordered;               /* ... before the caller's backing write
                                  (dirty writes: see bcf_write_begin) */
+  bool returns_dirty;         /* ... and a write-intent mark cannot stand
+                                 in (range_returns_dirty_locked) */
 };
 
 /* Is journal entry seq possibly not durable yet?  A relaxed read of
@@ -211,8 +249,12 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
         journal = removes;
       if (d && how == JOURNAL_IF_PERSISTENT && rseq > d->seq)
         d->seq = rseq;
-      if (d && how == JOURNAL_ALWAYS && (removes || journal_pending (c, rseq)))
+      if (d && how == JOURNAL_ALWAYS &&
+          (removes || journal_pending (c, rseq))) {
         d->ordered = true;
+        if (!d->returns_dirty && range_returns_dirty_locked (c, ks, ke))
+          d->returns_dirty = true;
+      }
     }
     if (journal) {
       s = journal_add_key_locked (c, k);
@@ -902,8 +944,9 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   w->seq = d.seq;
   w->ordered = d.ordered;
   /* A durable write-intent mark on the range makes the journal wait
-   * unnecessary (intent.c): asked for after the keys are in. */
-  if (w->ordered && !c->opts.write_intent_off &&
+   * unnecessary (intent.c), unless a crash could bring back dirty data
+   * there, which recovery keeps: asked for after the keys are in. */
+  if (w->ordered && !d.returns_dirty && !c->opts.write_intent_off &&
       intent_write_begin (c, s, e) == 0) {
     w->ordered = false;
     w->intent = true;

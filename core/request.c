@@ -144,8 +144,9 @@
  * journalled: losing one only makes recovery write the same data back.
  * (A write-intent mark stands in for the wait only against clean keys
  * coming back, which recovery drops; an older dirty key that comes back
- * is written back over W's data, allowed unless W was FUA, and a FUA
- * write therefore always waits: cache_write.)
+ * would be written back over W's data, so where one can (extent.c's
+ * range_returns_dirty_locked) W waits, and a FUA write always waits:
+ * cache_write.)
  *
  * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
@@ -1588,14 +1589,16 @@ static int write_back_span (struct bcf_req *r, const struct bcf_backing *b,
  * clean keys of a marked region, intent.c).  Dirty data comes back too:
  * a dirty key, or a clean one whose dirty version is still in the
  * journal (W4's clean marks are not journalled).  Recovery keeps it and
- * writes it back, so a write whose own keys the crash lost is replaced,
- * in the cache and then in the backing store, by the older data.  For a
- * write that was not flushed that is allowed (the older data is at
- * least as new as the last flush); for a FUA write, acknowledged as
- * durable, it is not (I3; test-crash's writeback workload with mode
- * switches found it, TEST_SEED=2: a FUA writethrough write read the
- * older write after the crash).  With its keys durable first, recovery
- * finds them newer than anything older in the range. */
+ * writes it back, so a write whose own keys the crash lost would be
+ * replaced, in the cache and then in the backing store, by the older
+ * data: a writethrough write the export had acknowledged would be
+ * undone (the kill -9 soak, TEST_SEED=41174), and a FUA write would lose
+ * what it was acknowledged as durable (I3; test-crash's writeback
+ * workload with mode switches, TEST_SEED=2).  So where dirty data can
+ * come back (bcf_write_begin asks range_returns_dirty_locked) the mark
+ * does not stand in and w->ordered stays; a FUA write waits anyway.
+ * With its keys durable first, recovery finds them newer than anything
+ * older in the range. */
 static int
 cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
              struct span in, const void *data, bool dirty, bool fua,

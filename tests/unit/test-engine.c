@@ -362,7 +362,10 @@ START_TEST (test_intent_feature_bit)
   ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_UUID);
 
   for (int round = 0; round < 2; round++) {
-    /* Cached data, then a write over it: ordered, so it marks. */
+    /* Cached data, then a write over it: ordered, so it marks.  (The
+     * clean copy the last round left comes back dirty until a checkpoint
+     * writes it, and over that the mark does not stand in.) */
+    ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
     ck_assert_int_eq (bcf_insert (f.c, 0, 65536, data, false, true), 0);
     memset (data, 0x11 + round, 65536);
     ck_assert_int_eq (bcf_write_begin (f.c, 0, 65536, data, &w), 0);
