@@ -696,12 +696,17 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
   const uint64_t inode = ckey_inode (dirty), end = ckey_end (dirty);
   uint64_t pos = ckey_start (dirty);
   struct ckey *match = NULL;
+  bool *back = NULL;
   size_t n = 0, cap = 0;
   int64_t cleaned = 0;
   int r = 0;
 
   /* First the matching pieces, clipped to the range (the tree is not
-   * changed while it is walked) ... */
+   * changed while it is walked), and whether each comes back dirty after
+   * a crash: a dirty key a checkpoint captured (it is not in the open
+   * set) does; one still in the open set does if it is journalled, and
+   * then dcopies has it already; an unjournalled one does not
+   * (bcf_write_begin_through) ... */
   while (pos < end && r == 0) {
     struct btree_node *leaf = btree_find_leaf (c, inode, pos + 1);
     const struct keyset *ks;
@@ -726,13 +731,17 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
       if (n == cap) {
         size_t nc = cap ? cap * 2 : 8;
         void *p = realloc (match, nc * sizeof *match);
-        if (!p) {
+        void *q = p ? realloc (back, nc * sizeof *back) : NULL;
+        if (p)
+          match = p;
+        if (!q) {
           r = -ENOMEM;
           break;
         }
-        match = p;
+        back = q;
         cap = nc;
       }
+      back[n] = !keyset_contains (&leaf->open, &ks->k[i]);
       match[n++] = k;
     }
     if (ckey_inode (&leaf->key) != inode)
@@ -740,18 +749,21 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
     pos = ckey_end (&leaf->key);
   }
   /* ... then each replaced by its clean copy, which covers exactly it.
-   * The copy is not journalled, but the dirty key it replaces is in the
-   * journal or in a committed node, so a crash brings the key back,
+   * The copy is not journalled, but the dirty key it replaces may be in
+   * the journal or in a committed node, so a crash brings the key back,
    * dirty: the copy must not count as a key only memory has
    * (extent.c's key_only_in_memory), or an invalidation over it would
    * skip its journal write and the restart would write the dirty key's
-   * data back over the newer data of the write that invalidated it. */
+   * data back over the newer data of the write that invalidated it.
+   * (Where the dirty key was only in memory, the copy still counts as
+   * surviving: that only journals such an invalidation needlessly.) */
   for (size_t i = 0; i < n && r == 0; i++) {
-    r = insert_pieces (c, &match[i], true, true);
+    r = insert_pieces (c, &match[i], true, back[i]);
     if (r == 0)
       cleaned += (int64_t) ckey_size (&match[i]);
   }
   free (match);
+  free (back);
   return r < 0 ? r : cleaned;
 }
 
@@ -1603,6 +1615,7 @@ btree_checkpoint (struct bcf_cache *c)
   }
   c->tree.ndead = j;
   c->tree.ckpt_uncommitted = false;   /* committed: all it took is durable */
+  atomic_store (&c->ckpt_begun_ns, t0);
   btree_evict_locked (c);
   bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t1);
   pthread_rwlock_unlock (&c->tree_lock);

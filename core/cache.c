@@ -136,10 +136,18 @@ bcf_cache_close (struct bcf_cache *c)
     return 0;
   bcf_cache_stop_threads (c);
   if (!c->failed && !c->opts.readonly) {
-    intent_clear_all (c);       /* a clean close leaves no marks */
+    /* A clean close leaves no marks: a mark is cleared only once a
+     * checkpoint has the keys of the writes that relied on it (intent.c),
+     * so one first, and one after for the clears. */
     pthread_mutex_lock (&c->ckpt_lock);
     r = btree_checkpoint (c);
     pthread_mutex_unlock (&c->ckpt_lock);
+    if (r == 0) {
+      intent_clear_all (c);
+      pthread_mutex_lock (&c->ckpt_lock);
+      r = btree_checkpoint (c);
+      pthread_mutex_unlock (&c->ckpt_lock);
+    }
   }
   super_close_state (c);
   r2 = bcf_io_close (c->io);

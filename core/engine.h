@@ -528,9 +528,16 @@ void intent_free (struct bcf_cache *c);
  * Then the write needs no journal wait before its backing write.
  * Returns 0 or -errno (then nothing is counted). */
 int intent_write_begin (struct bcf_cache *c, uint64_t start, uint64_t end);
+/* The same before the keys are inserted, only where every region of the
+ * range is durably marked already (no I/O): then the write's keys need
+ * no journal entry at all (bcf_write_begin_through).  Returns 0, or
+ * -EAGAIN (nothing counted). */
+int intent_write_begin_marked (struct bcf_cache *c, uint64_t start,
+                               uint64_t end);
 void intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end);
 /* Clear the marks of regions no write holds that have been quiet for
- * quiet_ns (the journal thread; 0 at close).  No lock held. */
+ * quiet_ns (the journal thread; 0 at close) and whose last write ended
+ * before the last committed checkpoint began.  No lock held. */
 void intent_tick (struct bcf_cache *c, uint64_t quiet_ns);
 void intent_clear_all (struct bcf_cache *c);
 /* Regions marked now; intent_list: their numbers (up to max). */
@@ -576,6 +583,9 @@ struct bcf_cache {
   atomic_bool lost_logged;        /* bcf_cache_check_device said so */
   atomic_uint_fast64_t ckpt_done_ns;  /* bcf_now_ns of the last checkpoint
                                          that committed */
+  atomic_uint_fast64_t ckpt_begun_ns; /* ... and when it began: everything
+                                         inserted before is in a committed
+                                         node (intent.c's clear rule) */
   /* The export barrier (cache.c, export_barrier): a clean key says the
    * export has the data durably, so a checkpoint flushes the export
    * before it writes nodes holding clean keys of data the export may not

@@ -195,6 +195,10 @@ struct durability {
                                  (dirty writes: see bcf_write_begin) */
   bool returns_dirty;         /* ... and a write-intent mark cannot stand
                                  in (range_returns_dirty_locked) */
+  bool marked;                /* in: the caller holds durable write-intent
+                                 marks on the range, so a data key that
+                                 brings back no dirty data needs no journal
+                                 entry (bcf_write_begin_through) */
 };
 
 /* Is journal entry seq possibly not durable yet?  A relaxed read of
@@ -240,7 +244,14 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
       pthread_rwlock_unlock (&c->tree_lock);
       return -EEXIST;
     }
-    if (how != JOURNAL_NEVER) {
+    if (how == JOURNAL_ALWAYS && d && d->marked &&
+        !range_returns_dirty_locked (c, ks, ke)) {
+      /* Under a mark nothing older that comes back clean is served after
+       * a crash, and nothing comes back dirty here: the key need not
+       * survive a crash, so neither journal nor wait. */
+      journal = false;
+    }
+    else if (how != JOURNAL_NEVER) {
       /* Decided here, under the lock the insert holds: a checkpoint's
        * capture cannot come between the look and the insert. */
       removes = range_state_locked (c, ks, ke, &rseq) == RANGE_PERSISTENT ||
@@ -912,9 +923,9 @@ write_piece (const struct bcf_cache *c, const struct bcf_write *w,
  * crash either the dirty key survives (and recovery writes the same data
  * back) or it does not (and nothing older is cached).  The decision is
  * made per piece under the lock of its insert. */
-int
-bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
-                 const void *data, struct bcf_write *w)
+static int
+write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+             const void *data, struct bcf_write *w, bool through)
 {
   struct durability d = { 0 };
   uint64_t s, e, chunk;
@@ -933,6 +944,9 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
             : calloc (w->npieces, sizeof *w->ptrs);
   if (!w->ptrs)
     return -ENOMEM;
+  if (through && !c->opts.write_intent_off &&
+      intent_write_begin_marked (c, s, e) == 0)
+    w->intent = d.marked = true;
   r = write_pieces (c, s, e, data, true, w->ptrs, &d);
   if (r < 0) {
     /* Nothing is taken out here: the range may hold older dirty data,
@@ -946,13 +960,38 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   /* A durable write-intent mark on the range makes the journal wait
    * unnecessary (intent.c), unless a crash could bring back dirty data
    * there, which recovery keeps: asked for after the keys are in. */
-  if (w->ordered && !d.returns_dirty && !c->opts.write_intent_off &&
-      intent_write_begin (c, s, e) == 0) {
+  if (w->ordered && !w->intent && !d.returns_dirty &&
+      !c->opts.write_intent_off && intent_write_begin (c, s, e) == 0) {
     w->ordered = false;
     w->intent = true;
   }
   atomic_fetch_add (&c->stats.dirty_inserts, 1);
   return 0;
+}
+
+int
+bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                 const void *data, struct bcf_write *w)
+{
+  return write_begin (c, offset, len, data, w, false);
+}
+
+/* A writethrough write in regions already marked: its backing write is
+ * its own (the caller's W3), so a crash that loses its keys loses
+ * nothing the backing store will not have, and where no dirty data can
+ * come back the keys are not journalled at all (insert_key, d.marked):
+ * no journal write for the write, no clean copy whose dirty version is
+ * on the journal for the next write to the range to wait for.  What a
+ * crash then brings back is older clean data (a key a checkpoint wrote,
+ * the one the write replaced), which the marks make recovery drop: they
+ * stay until a checkpoint that began after the write ended commits
+ * (intent_tick), so that the replacement is on disk first.  A region not
+ * marked yet: bcf_write_begin's way, which marks it. */
+int
+bcf_write_begin_through (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                         const void *data, struct bcf_write *w)
+{
+  return write_begin (c, offset, len, data, w, true);
 }
 
 int

@@ -17,17 +17,22 @@
  * warmth is traded, never correctness.  Dirty keys stay: they are newer
  * than the backing store and are written back.
  *
- * A write relies on a mark only after its dirty keys are inserted (so in
- * the journal): bcf_write_begin inserts them, then asks for the mark.
- * So a mark's clear, a whiteout journalled after those keys, can never
- * survive a crash without them (the journal's durable entries are a
- * prefix): if the clear survives, the keys do and override the older
- * data; if not, the mark does.  A mark is therefore cleared lazily
- * (intent_tick, from the journal thread) as soon as no write holds it
- * and the region has been quiet for a while (so that a busy region is
- * not marked and cleared over and over), without waiting for anything.
- * Clearing need not be durable either: a mark a crash brings back only
- * costs warmth.
+ * Writes rely on a mark in two ways.  A write into a region that is not
+ * marked yet inserts its dirty keys, journalled, then asks for the mark
+ * (bcf_write_begin, intent_write_begin), which it makes durable.  A
+ * writethrough write into a region that is marked already takes the
+ * mark before its keys go in (intent_write_begin_marked) and, where no
+ * dirty data can come back, does not journal them at all (extent.c's
+ * bcf_write_begin_through): what a crash brings back older than such a
+ * write is a clean key of the region, which recovery drops while the
+ * mark stands.  So a mark is cleared (lazily: intent_tick, from the
+ * journal thread) only once every key of every write that relied on it
+ * is on disk without it: no write holds it, the region has been quiet
+ * for a while (so that a busy region is not marked and cleared over and
+ * over), and a checkpoint that began after the region's last write
+ * ended has committed (ckpt_begun_ns): the committed nodes hold those
+ * keys, or what replaced them since.  Clearing need not be durable: a
+ * mark a crash brings back only costs warmth.
  *
  * Where the marks live: in the btree, as keys of inode INTENT_INODE
  * (0xffffe, beyond any uuid slot a cache can have: slots are
@@ -53,8 +58,8 @@
  * (intent_clear_all at close) and no bit.  Why the clears must be
  * durable first: a mark a crash brings back is again a region whose
  * clean data only the filter's recovery knows to drop.  Why a clear
- * that is durable is enough: it follows, in the journal, the dirty keys
- * of every write that relied on the mark, which are then durable too.
+ * that is durable is enough: it follows a committed checkpoint that
+ * holds the keys of every write that relied on the mark.
  * The cost is a superblock write when the first region is marked and
  * when the last one is cleared (after quiet_ns without writes).
  *
@@ -332,6 +337,25 @@ intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end)
   pthread_mutex_unlock (&in->lock);
 }
 
+int
+intent_write_begin_marked (struct bcf_cache *c, uint64_t start, uint64_t end)
+{
+  struct intent *in = &c->intent;
+  uint64_t first = start / INTENT_REGION_SECTORS;
+  uint64_t last = (end - 1) / INTENT_REGION_SECTORS;
+  bool all = true;
+
+  pthread_mutex_lock (&in->lock);
+  for (uint64_t i = first; i <= last && all; i++) {
+    struct region *r = find (in, i);
+    all = r && r->state == R_MARKED;
+  }
+  for (uint64_t i = first; i <= last && all; i++)
+    find (in, i)->writes++;
+  pthread_mutex_unlock (&in->lock);
+  return all ? 0 : -EAGAIN;
+}
+
 /* Clear one region that qualified; no lock held.  Returns 0 or -errno. */
 static int
 clear_region (struct bcf_cache *c, struct region *r)
@@ -360,6 +384,7 @@ intent_tick (struct bcf_cache *c, uint64_t quiet_ns)
 {
   struct intent *in = &c->intent;
   uint64_t now = bcf_now_ns ();
+  uint64_t begun = atomic_load (&c->ckpt_begun_ns);
 
   for (;;) {
     struct region *pick = NULL;
@@ -368,7 +393,7 @@ intent_tick (struct bcf_cache *c, uint64_t quiet_ns)
     for (size_t i = 0; i < HASH_SIZE && !pick && in->nregions; i++)
       for (struct region *r = in->hash[i]; r && !pick; r = r->next)
         if (r->state == R_MARKED && r->writes == 0 &&
-            now - r->last_ns >= quiet_ns)
+            now - r->last_ns >= quiet_ns && r->last_ns < begun)
           pick = r;
     if (pick)
       pick->state = R_CLEARING;

@@ -46,10 +46,13 @@
  *       registered earlier has finished its backing write and its cache
  *       update (the tracker's ordering);
  *   W2. writethrough, the whole blocks of the request (DESIGN.md "Writes
- *       on dirty keys"): bcf_write_begin puts the data in the cache as
- *       dirty keys, journalled; where the range held data a crash could
- *       bring back (w.ordered), bcf_write_durable waits for the journal,
- *       and a FUA write always waits for it (cache_write says why).
+ *       on dirty keys"): bcf_write_begin_through puts the data in the
+ *       cache as dirty keys, journalled (in a write-intent region that
+ *       is marked already, only where dirty data could come back: not
+ *       at all in the common case); where the range held data a crash
+ *       could bring back (w.ordered), bcf_write_durable waits for the
+ *       journal, and a FUA write always waits for it (cache_write says
+ *       why).
  *       The partial blocks at the ends of the span, and the whole span of
  *       a write that is not cached (bypass, writearound, none, no room, a
  *       device error), are invalidated durably instead: bcf_invalidate
@@ -143,10 +146,11 @@
  * ordered), so the backing store decides.  The clean marks of W4 are not
  * journalled: losing one only makes recovery write the same data back.
  * (A write-intent mark stands in for the wait only against clean keys
- * coming back, which recovery drops; an older dirty key that comes back
+ * coming back, which recovery drops, and in a marked region W's keys
+ * need not survive a crash at all; an older dirty key that comes back
  * would be written back over W's data, so where one can (extent.c's
- * range_returns_dirty_locked) W waits, and a FUA write always waits:
- * cache_write.)
+ * range_returns_dirty_locked) W's keys are journalled and W waits, and
+ * a FUA write always waits for what it journalled: cache_write.)
  *
  * Cache-device errors do not fail a request the backing store can serve:
  * they are counted, the affected range is invalidated, and the request is
@@ -1604,7 +1608,8 @@ cache_write (struct bcf_req *r, const struct bcf_backing *b, struct span s,
              struct span in, const void *data, bool dirty, bool fua,
              struct bcf_write *w)
 {
-  int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, w);
+  int rc = bcf_write_begin_through (r->c, in.start, in.end - in.start, data,
+                                    w);
 
   if (rc < 0) {
     if (rc != -ENOSPC && rc != -EROFS)

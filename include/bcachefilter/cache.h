@@ -381,6 +381,13 @@ struct bcf_write {
  * bypasses the cache (request.c's cache_write). */
 int bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
                      const void *data, struct bcf_write *w);
+/* The same for a writethrough write (the caller writes the backing store
+ * itself before it marks the keys clean): where the range's write-intent
+ * regions are marked already, keys that bring back no dirty data after a
+ * crash are not journalled (extent.c says why). */
+int bcf_write_begin_through (struct bcf_cache *c, uint64_t offset,
+                             uint64_t len, const void *data,
+                             struct bcf_write *w);
 int bcf_write_durable (struct bcf_cache *c, struct bcf_write *w);
 /* Wait until the keys are on the journal whatever w->ordered says (FUA:
  * a write that must survive a crash once acknowledged). */

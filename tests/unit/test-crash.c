@@ -379,7 +379,7 @@ step_dirty_write (struct run *r, uint64_t blk, uint64_t nb)
   fill (r->buf, nb * BLOCK);
   allow_values (r, blk, nb, r->buf);
   mark (r, blk, nb, false);
-  e = bcf_write_begin (r->c, blk * BLOCK, nb * BLOCK, r->buf, &w);
+  e = bcf_write_begin_through (r->c, blk * BLOCK, nb * BLOCK, r->buf, &w);
   if (e == -ENOSPC) {
     if (bcf_invalidate (r->c, blk * BLOCK, nb * BLOCK, true) != 0)
       return false;
@@ -591,6 +591,15 @@ check_recovered_dirty (struct run *r, enum workload w, uint64_t n)
                  "seed %u workload %s cut at write %" PRIu64 ": after the "
                  "writeback the backing store differs from what was read",
                  seed, wname[w], n);
+  /* Every write of the workload wrote the backing store before the next
+   * began, and the one the crash stopped had not (its keys never became
+   * durable), so the backing store held the shadow, and recovery must not
+   * have written anything older over it. */
+  for (uint64_t x = 0; x < NBLOCKS; x++)
+    ck_assert_msg (memcmp (r->m.shadow + x * BLOCK, again + x * BLOCK, BLOCK)
+                   == 0, "seed %u workload %s cut at write %" PRIu64 ": "
+                   "block %" PRIu64 ": the recovery wrote older data over "
+                   "the backing store", seed, wname[w], n, x);
   bcf_req_free (q);
   memcpy (r->m.shadow, again, BACKING);
   memset (r->m.rewritten, true, sizeof r->m.rewritten);

@@ -376,7 +376,11 @@ START_TEST (test_intent_feature_bit)
     ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_FEATURES);
     ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), 65536);
     bcf_write_release (f.c, &w);
-    /* The journal thread's tick, after quiet_ns without writes. */
+    /* The journal thread's tick, after quiet_ns without writes, once a
+     * checkpoint begun since the write has committed. */
+    intent_tick (f.c, 0);
+    ck_assert_uint_eq (intent_marked (f.c), 1);
+    ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
     intent_tick (f.c, 0);
     ck_assert_uint_eq (intent_marked (f.c), 0);
     ck_assert_msg (!disk_intent_bit (f.path, &version),
