@@ -522,18 +522,13 @@ struct intent {
 
 int intent_init (struct bcf_cache *c);
 void intent_free (struct bcf_cache *c);
-/* Sectors [start, end) of a write whose dirty keys are inserted: make
- * the regions of the range durably marked (a journal wait for a region
- * not marked yet), counting the write in them until intent_write_end.
- * Then the write needs no journal wait before its backing write.
+/* Sectors [start, end) of a write whose dirty keys are inserted (or,
+ * for bcf_write_begin_through, are to be): make the regions of the range
+ * durably marked (a journal wait for a region not marked yet), counting
+ * the write in them until intent_write_end.  Then the write needs no
+ * journal wait before its backing write.
  * Returns 0 or -errno (then nothing is counted). */
 int intent_write_begin (struct bcf_cache *c, uint64_t start, uint64_t end);
-/* The same before the keys are inserted, only where every region of the
- * range is durably marked already (no I/O): then the write's keys need
- * no journal entry at all (bcf_write_begin_through).  Returns 0, or
- * -EAGAIN (nothing counted). */
-int intent_write_begin_marked (struct bcf_cache *c, uint64_t start,
-                               uint64_t end);
 void intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end);
 /* Clear the marks of regions no write holds that have been quiet for
  * quiet_ns (the journal thread; 0 at close) and whose last write ended

@@ -945,7 +945,7 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   if (!w->ptrs)
     return -ENOMEM;
   if (through && !c->opts.write_intent_off &&
-      intent_write_begin_marked (c, s, e) == 0)
+      intent_write_begin (c, s, e) == 0)
     w->intent = d.marked = true;
   r = write_pieces (c, s, e, data, true, w->ptrs, &d);
   if (r < 0) {
@@ -976,17 +976,18 @@ bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return write_begin (c, offset, len, data, w, false);
 }
 
-/* A writethrough write in regions already marked: its backing write is
- * its own (the caller's W3), so a crash that loses its keys loses
- * nothing the backing store will not have, and where no dirty data can
- * come back the keys are not journalled at all (insert_key, d.marked):
- * no journal write for the write, no clean copy whose dirty version is
- * on the journal for the next write to the range to wait for.  What a
- * crash then brings back is older clean data (a key a checkpoint wrote,
- * the one the write replaced), which the marks make recovery drop: they
- * stay until a checkpoint that began after the write ended commits
- * (intent_tick), so that the replacement is on disk first.  A region not
- * marked yet: bcf_write_begin's way, which marks it. */
+/* A writethrough write: its backing write is its own (the caller's W3),
+ * so a crash that loses its keys loses nothing the backing store will
+ * not have.  Its write-intent regions are marked first (durably: one
+ * journal write the first time a region is written), and where no dirty
+ * data can come back the keys are not journalled at all (insert_key,
+ * d.marked): no journal write for the write, and no clean copy whose
+ * dirty version is on the journal, for the next write to the range to
+ * wait for.  What a crash then brings back is older clean data (a key a
+ * checkpoint wrote, the one the write replaced), which the marks make
+ * recovery drop: they stay until a checkpoint that began after the
+ * write ended commits (intent_tick), so that the replacement is on disk
+ * first.  If the marks cannot be made: bcf_write_begin's way. */
 int
 bcf_write_begin_through (struct bcf_cache *c, uint64_t offset, uint64_t len,
                          const void *data, struct bcf_write *w)

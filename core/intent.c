@@ -20,12 +20,11 @@
  * Writes rely on a mark in two ways.  A write into a region that is not
  * marked yet inserts its dirty keys, journalled, then asks for the mark
  * (bcf_write_begin, intent_write_begin), which it makes durable.  A
- * writethrough write into a region that is marked already takes the
- * mark before its keys go in (intent_write_begin_marked) and, where no
- * dirty data can come back, does not journal them at all (extent.c's
- * bcf_write_begin_through): what a crash brings back older than such a
- * write is a clean key of the region, which recovery drops while the
- * mark stands.  So a mark is cleared (lazily: intent_tick, from the
+ * writethrough write marks its regions before its keys go in and,
+ * where no dirty data can come back, does not journal them at all
+ * (extent.c's bcf_write_begin_through): what a crash brings back older
+ * than such a write is a clean key of the region, which recovery drops
+ * while the mark stands.  So a mark is cleared (lazily: intent_tick, from the
  * journal thread) only once every key of every write that relied on it
  * is on disk without it: no write holds it, the region has been quiet
  * for a while (so that a busy region is not marked and cleared over and
@@ -335,25 +334,6 @@ intent_write_end (struct bcf_cache *c, uint64_t start, uint64_t end)
     r->last_ns = now;
   }
   pthread_mutex_unlock (&in->lock);
-}
-
-int
-intent_write_begin_marked (struct bcf_cache *c, uint64_t start, uint64_t end)
-{
-  struct intent *in = &c->intent;
-  uint64_t first = start / INTENT_REGION_SECTORS;
-  uint64_t last = (end - 1) / INTENT_REGION_SECTORS;
-  bool all = true;
-
-  pthread_mutex_lock (&in->lock);
-  for (uint64_t i = first; i <= last && all; i++) {
-    struct region *r = find (in, i);
-    all = r && r->state == R_MARKED;
-  }
-  for (uint64_t i = first; i <= last && all; i++)
-    find (in, i)->writes++;
-  pthread_mutex_unlock (&in->lock);
-  return all ? 0 : -EAGAIN;
 }
 
 /* Clear one region that qualified; no lock held.  Returns 0 or -errno. */

@@ -47,9 +47,9 @@
  *       update (the tracker's ordering);
  *   W2. writethrough, the whole blocks of the request (DESIGN.md "Writes
  *       on dirty keys"): bcf_write_begin_through puts the data in the
- *       cache as dirty keys, journalled (in a write-intent region that
- *       is marked already, only where dirty data could come back: not
- *       at all in the common case); where the range held data a crash
+ *       cache as dirty keys, after marking their write-intent regions,
+ *       journalled only where dirty data could come back (not at all in
+ *       the common case); where the range held data a crash
  *       could bring back (w.ordered), bcf_write_durable waits for the
  *       journal, and a FUA write always waits for it (cache_write says
  *       why).

@@ -382,9 +382,9 @@ struct bcf_write {
 int bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
                      const void *data, struct bcf_write *w);
 /* The same for a writethrough write (the caller writes the backing store
- * itself before it marks the keys clean): where the range's write-intent
- * regions are marked already, keys that bring back no dirty data after a
- * crash are not journalled (extent.c says why). */
+ * itself before it marks the keys clean): the range's write-intent
+ * regions are marked first, and keys that bring back no dirty data after
+ * a crash are not journalled (extent.c says why). */
 int bcf_write_begin_through (struct bcf_cache *c, uint64_t offset,
                              uint64_t len, const void *data,
                              struct bcf_write *w);

@@ -44,10 +44,13 @@ set -x
 # marked_cache CACHE REMOTE: a 64 MiB cache that crashed (kill -9) with
 # a write-intent region marked: a write over cached data that a crash
 # could bring back, in front of the file REMOTE; the superblock must
-# carry the write-intent bit.  The range is read first, so that the
-# first write goes in as a dirty key, journalled (a write over nothing
-# cached is cached afterwards as a fill, which only a checkpoint would
-# make durable, and a write over that needs no mark).
+# carry the write-intent bit.  The range is read and the proxy stopped
+# first, so that the write goes over clean data a checkpoint wrote,
+# which is what needs the mark (over nothing cached a write is cached
+# afterwards as a fill; over data that only memory has it needs
+# nothing; over a write's clean copy, whose dirty version stays on the
+# journal until a checkpoint, its own keys are journalled and waited
+# for instead, the mark not being enough there).
 marked_cache ()
 {
     local mc="$1" mr="$2"
@@ -55,10 +58,12 @@ marked_cache ()
     truncate -s 16M "$mr"
     start_remote file "$mr"
     start_proxy p bcache="$mc" bcache-size=64M bcache-bucket-size=64K \
-        bcache-sequential-cutoff=0 bcache-ctl="$d/marked.ctl"
+        bcache-sequential-cutoff=0
     nbdio "$p_sock" check 0 64k 0x00        # cached: a fill
-    nbdio "$p_sock" fill 0 64k 0x11         # over it: a dirty key
-    nbdio "$p_sock" check 0 64k 0x11        # cached now
+    nbdio "$p_sock" flush                   # (fills queued before are in)
+    stop_nbdkit "$p_pid"                    # the clean stop writes it
+    start_proxy p bcache="$mc" bcache-format=never \
+        bcache-sequential-cutoff=0 bcache-ctl="$d/marked.ctl"
     nbdio "$p_sock" fill 0 64k 0x22         # over cached data: marks
     test "$(ctl_stat "$d/marked.ctl" intent_regions)" -ge 1 ||
         fail "no write-intent region marked"
