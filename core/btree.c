@@ -369,30 +369,34 @@ clip_to_side (struct ckey *k, const struct ckey *mid, int side)
   return true;
 }
 
+/* Append from's keys on the side's part to to. */
+static int
+inherit_keys (struct keyset *to, const struct keyset *from,
+              const struct ckey *mid, int side)
+{
+  for (size_t i = 0; i < from->nr; i++) {
+    struct ckey k = from->k[i];
+    int r;
+
+    if (side != 0 && !clip_to_side (&k, mid, side))
+      continue;
+    if ((r = keyset_append (to, &k)) < 0)
+      return r;
+  }
+  return 0;
+}
+
 static int
 inherit_open (struct btree_node *to, const struct btree_node *from,
               const struct ckey *mid, int side)
 {
-  for (size_t i = 0; i < from->open.nr; i++) {
-    struct ckey k = from->open.k[i];
-    int r;
+  int r;
 
-    if (side != 0 && !clip_to_side (&k, mid, side))
-      continue;
-    if ((r = keyset_append (&to->open, &k)) < 0)
-      return r;
-  }
+  if ((r = inherit_keys (&to->open, &from->open, mid, side)) < 0 ||
+      (r = inherit_keys (&to->dcopies, &from->dcopies, mid, side)) < 0)
+    return r;
   if (from->open_jdata)
     to->open_jdata = true;
-  for (size_t i = 0; i < from->dcopies.nr; i++) {
-    struct ckey k = from->dcopies.k[i];
-    int r;
-
-    if (side != 0 && !clip_to_side (&k, mid, side))
-      continue;
-    if ((r = keyset_append (&to->dcopies, &k)) < 0)
-      return r;
-  }
   if (from->removal_seq > to->removal_seq)
     to->removal_seq = from->removal_seq;
   return 0;
@@ -690,13 +694,55 @@ btree_range_dirty_locked (struct bcf_cache *c, uint64_t inode,
   return false;
 }
 
+/* Could a crash bring back a dirty version of anything in [start, end)?
+ * Recovery keeps dirty data and writes it back, so a dirty key that
+ * comes back is written over whatever the export has since: a
+ * write-intent mark does not cover it (it drops only clean keys).  A
+ * dirty key now, or the clean copy of one (W4's clean marks are not
+ * journalled), comes back dirty if the journal or a committed node holds
+ * its dirty version: then it was inserted or marked clean since its
+ * leaf's open set was last captured, so the leaf's dcopies hold it, even
+ * if it left memory since (a stale key GC dropped while its bucket's new
+ * gen is not persisted, an invalidation); or a capture took it and has
+ * not committed yet.  A leaf not in memory has none (a leaf with open
+ * keys is never evicted).  Fills and bcf_insert's clean keys never come
+ * back dirty: they are not in dcopies. */
+bool
+btree_range_returns_dirty_locked (struct bcf_cache *c, uint64_t inode,
+                                  uint64_t start, uint64_t end)
+{
+  uint64_t pos = start;
+
+  if (c->tree.ckpt_uncommitted)
+    return true;
+  while (pos < end) {
+    struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
+    bool last;
+    uint64_t e;
+
+    if (!n)
+      return false;
+    last = ckey_inode (&n->key) != inode;
+    e = !last && ckey_end (&n->key) < end ? ckey_end (&n->key) : end;
+    if (!n->evicted && (dirty_in (&n->keys, inode, pos, e) ||
+                        keyset_overlaps (&n->dcopies, inode, pos, e)))
+      return true;
+    if (last)
+      return false;
+    pos = ckey_end (&n->key);
+  }
+  return false;
+}
+
 int64_t
 btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
 {
   const uint64_t inode = ckey_inode (dirty), end = ckey_end (dirty);
   uint64_t pos = ckey_start (dirty);
-  struct ckey *match = NULL;
-  bool *back = NULL;
+  struct clean_piece {
+    struct ckey k;              /* the clean copy */
+    bool back;                  /* it comes back dirty after a crash */
+  } *match = NULL;
   size_t n = 0, cap = 0;
   int64_t cleaned = 0;
   int r = 0;
@@ -731,18 +777,16 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
       if (n == cap) {
         size_t nc = cap ? cap * 2 : 8;
         void *p = realloc (match, nc * sizeof *match);
-        void *q = p ? realloc (back, nc * sizeof *back) : NULL;
-        if (p)
-          match = p;
-        if (!q) {
+        if (!p) {
           r = -ENOMEM;
           break;
         }
-        back = q;
+        match = p;
         cap = nc;
       }
-      back[n] = !keyset_contains (&leaf->open, &ks->k[i]);
-      match[n++] = k;
+      match[n++] = (struct clean_piece) {
+        .k = k, .back = !keyset_contains (&leaf->open, &ks->k[i]),
+      };
     }
     if (ckey_inode (&leaf->key) != inode)
       break;
@@ -758,12 +802,11 @@ btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty)
    * (Where the dirty key was only in memory, the copy still counts as
    * surviving: that only journals such an invalidation needlessly.) */
   for (size_t i = 0; i < n && r == 0; i++) {
-    r = insert_pieces (c, &match[i], true, back[i]);
+    r = insert_pieces (c, &match[i].k, true, match[i].back);
     if (r == 0)
-      cleaned += (int64_t) ckey_size (&match[i]);
+      cleaned += (int64_t) ckey_size (&match[i].k);
   }
   free (match);
-  free (back);
   return r < 0 ? r : cleaned;
 }
 
@@ -1344,23 +1387,19 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
     if (!len)
       return s->err = -ENOMEM;
     n->written = len;
-    keyset_free (&n->open);       /* its array too: splits fill it */
-    keyset_init (&n->open, n->level == 0);
-    n->open_jdata = false;
-    keyset_free (&n->dcopies);
-    keyset_init (&n->dcopies, false);
   }
   else {
     size_t len = capture_bset (c, s->ck, n, &n->open, true, n->written);
     if (!len)
       return s->err = -ENOMEM;
     n->written += len;
-    keyset_free (&n->open);
-    keyset_init (&n->open, n->level == 0);
-    n->open_jdata = false;
-    keyset_free (&n->dcopies);
-    keyset_init (&n->dcopies, false);
   }
+  /* What changes from now on starts empty (the open set's array too:
+   * splits fill it). */
+  keyset_free (&n->open);
+  keyset_init (&n->open, n->level == 0);
+  n->open_jdata = false;
+  keyset_free (&n->dcopies);
   n->rewrite = false;
   return 0;
 }

@@ -227,8 +227,8 @@ struct btree_node {
    * back dirty.  dcopies: those of them that come back dirty (the
    * journalled dirty keys and such clean copies inserted since the open
    * set was last captured; nothing but the capture removes them, so a
-   * range whose key left memory since still shows it): extent.c's
-   * range_returns_dirty_locked.  At most as many keys as went into the
+   * range whose key left memory since still shows it): btree.c's
+   * btree_range_returns_dirty_locked.  At most as many keys as went into the
    * open set since its capture. */
   uint64_t removal_seq;
   bool open_jdata;
@@ -305,6 +305,11 @@ int64_t btree_mark_clean_locked (struct bcf_cache *c, const struct ckey *dirty);
 bool btree_open_overlaps_locked (struct bcf_cache *c,
                                  const struct btree_node *n, uint64_t inode,
                                  uint64_t start, uint64_t end);
+/* Could a crash bring back dirty data in [start, end) (a dirty key, or
+ * one the leaves' dcopies record, or a capture not committed yet)?
+ * Under tree_lock (any); btree.c says why. */
+bool btree_range_returns_dirty_locked (struct bcf_cache *c, uint64_t inode,
+                                       uint64_t start, uint64_t end);
 /* Is any dirty key in [start, end)?  Under tree_lock (any). */
 bool btree_range_dirty_locked (struct bcf_cache *c, uint64_t inode,
                                uint64_t start, uint64_t end);

@@ -126,42 +126,6 @@ range_state_locked (struct bcf_cache *c, uint64_t s, uint64_t e,
   return st;
 }
 
-/* Could a crash bring back a dirty version of anything in [s, e) (under
- * tree_lock)?  Recovery keeps dirty data and writes it back, so a dirty
- * key that comes back is written over whatever the export has since: a
- * write-intent mark does not cover it (it drops only clean keys).  A
- * dirty key now, or the clean copy of one (W4's clean marks are not
- * journalled), comes back dirty if the journal or a committed node holds
- * its dirty version: then it was inserted or marked clean since its
- * leaf's open set was last captured, so the leaf's dcopies hold it, even
- * if it left memory since (a stale key GC dropped while its bucket's new
- * gen is not persisted, an invalidation); or a capture took it and has
- * not committed yet.  A leaf not in memory has none (a leaf with open
- * keys is never evicted).  Fills and bcf_insert's clean keys never come
- * back dirty: they are not in dcopies. */
-static bool
-range_returns_dirty_locked (struct bcf_cache *c, uint64_t s, uint64_t e)
-{
-  uint64_t pos = s;
-
-  if (c->tree.ckpt_uncommitted || btree_range_dirty_locked (c, c->inode, s, e))
-    return true;
-  while (pos < e) {
-    struct btree_node *leaf = btree_find_leaf (c, c->inode, pos + 1);
-    uint64_t leaf_end;
-
-    if (!leaf || leaf->evicted)
-      return false;
-    leaf_end = ckey_inode (&leaf->key) == c->inode ? ckey_end (&leaf->key)
-               : UINT64_MAX;
-    if (keyset_overlaps (&leaf->dcopies, c->inode, pos,
-                         e < leaf_end ? e : leaf_end))
-      return true;
-    pos = leaf_end;
-  }
-  return false;
-}
-
 /* range_state_locked under tree_lock, with the allocator's word on stale
  * keys a crash could revive (*unpersisted: gens not yet persisted), the
  * two things that say whether anything in [s, e) could come back: what
@@ -194,7 +158,7 @@ struct durability {
   bool ordered;               /* ... before the caller's backing write
                                  (dirty writes: see bcf_write_begin) */
   bool returns_dirty;         /* ... and a write-intent mark cannot stand
-                                 in (range_returns_dirty_locked) */
+                                 in (btree_range_returns_dirty_locked) */
   bool marked;                /* in: the caller holds durable write-intent
                                  marks on the range, so a data key that
                                  brings back no dirty data needs no journal
@@ -245,7 +209,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
       return -EEXIST;
     }
     if (how == JOURNAL_ALWAYS && d && d->marked &&
-        !range_returns_dirty_locked (c, ks, ke)) {
+        !btree_range_returns_dirty_locked (c, c->inode, ks, ke)) {
       /* Under a mark nothing older that comes back clean is served after
        * a crash, and nothing comes back dirty here: the key need not
        * survive a crash, so neither journal nor wait. */
@@ -263,7 +227,9 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
       if (d && how == JOURNAL_ALWAYS &&
           (removes || journal_pending (c, rseq))) {
         d->ordered = true;
-        if (!d->returns_dirty && range_returns_dirty_locked (c, ks, ke))
+        /* (Under marks it was asked above, and nothing reads it.) */
+        if (!d->marked && !d->returns_dirty &&
+            btree_range_returns_dirty_locked (c, c->inode, ks, ke))
           d->returns_dirty = true;
       }
     }

@@ -148,8 +148,8 @@
  * (A write-intent mark stands in for the wait only against clean keys
  * coming back, which recovery drops, and in a marked region W's keys
  * need not survive a crash at all; an older dirty key that comes back
- * would be written back over W's data, so where one can (extent.c's
- * range_returns_dirty_locked) W's keys are journalled and W waits, and
+ * would be written back over W's data, so where one can (btree.c's
+ * btree_range_returns_dirty_locked) W's keys are journalled and W waits, and
  * a FUA write always waits for what it journalled: cache_write.)
  *
  * Cache-device errors do not fail a request the backing store can serve:
@@ -1599,7 +1599,7 @@ static int write_back_span (struct bcf_req *r, const struct bcf_backing *b,
  * undone (the kill -9 soak, TEST_SEED=41174), and a FUA write would lose
  * what it was acknowledged as durable (I3; test-crash's writeback
  * workload with mode switches, TEST_SEED=2).  So where dirty data can
- * come back (bcf_write_begin asks range_returns_dirty_locked) the mark
+ * come back (bcf_write_begin asks btree_range_returns_dirty_locked) the mark
  * does not stand in and w->ordered stays; a FUA write waits anyway.
  * With its keys durable first, recovery finds them newer than anything
  * older in the range. */

@@ -2089,9 +2089,9 @@ END_TEST
  * dirty and would be written back over B unless B's keys are durable
  * first.  Seen failing before each fix: for FUA without the journal wait
  * of FUA writes in cache_write (core/request.c); without FUA when the
- * mark stood in for the wait over data that comes back dirty (extent.c's
- * range_returns_dirty_locked; the kill -9 soak found it, TEST_SEED=41174:
- * the proxy served an older write after the restart). */
+ * mark stood in for the wait over data that comes back dirty (btree.c's
+ * btree_range_returns_dirty_locked; the kill -9 soak found it,
+ * TEST_SEED=41174: the proxy served an older write after the restart). */
 static void
 write_over_dirty (bool a_dirty, int cache_mode, bool fua)
 {
