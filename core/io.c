@@ -351,6 +351,10 @@ static int ring_key_err;
 static atomic_bool ring_key_made;
 static __thread struct io_uring *tls_ring;
 static __thread int tls_ring_err;  /* this thread could not get a ring */
+/* A batch bcf_io_start left in flight on this thread's ring: until its
+ * bcf_io_finish, the thread's other I/O takes the synchronous path, so
+ * that no wait sees the other's completions. */
+static __thread const struct bcf_io_pending *tls_pending;
 /* 0 unknown, 1 the kernel has every opcode we use, -errno if not. */
 static atomic_int uring_ops;
 
@@ -952,50 +956,68 @@ ring_submit_wait (struct io_uring *ring)
 }
 
 static void
+batch_init (struct uring_batch *b, struct bcf_io *io, struct io_uring *ring)
+{
+  b->io = io;
+  b->ring = ring;
+  b->nfree = BCF_IO_RING_DEPTH;
+  for (unsigned i = 0; i < BCF_IO_RING_DEPTH; i++)
+    b->free_slots[i] = BCF_IO_RING_DEPTH - 1 - i;
+}
+
+/* Queue segments from *next into every free slot.  Returns whether
+ * anything is queued or in flight. */
+static bool
+batch_fill (struct uring_batch *b, struct bcf_io_seg *segs, unsigned n,
+            unsigned *next)
+{
+  while (*next < n && b->nfree > 0) {
+    struct bcf_io_seg *seg = &segs[(*next)++];
+    struct ioctx *c;
+    int r;
+
+    if (seg->len == 0) {
+      seg->result = 0;
+      continue;
+    }
+    c = &b->slots[b->free_slots[b->nfree - 1]];
+    *c = (struct ioctx) { .seg = seg };
+    r = io_begin (b->io, seg_kind (seg), c);
+    if (r < 0) {
+      seg->result = r;
+      continue;
+    }
+    b->nfree--;
+    slot_prep (b, c);
+  }
+  return b->nfree < BCF_IO_RING_DEPTH;
+}
+
+/* Submit, wait for at least one completion and handle what arrived. */
+static void
+batch_reap (struct uring_batch *b)
+{
+  struct io_uring_cqe *cqe;
+  unsigned head, seen = 0;
+
+  ring_submit_wait (b->ring);
+  io_uring_for_each_cqe (b->ring, head, cqe) {
+    slot_complete (b, io_uring_cqe_get_data (cqe), cqe->res);
+    seen++;
+  }
+  io_uring_cq_advance (b->ring, seen);
+}
+
+static void
 uring_submit (struct bcf_io *io, struct io_uring *ring,
               struct bcf_io_seg *segs, unsigned n)
 {
-  struct uring_batch b = { .io = io, .ring = ring,
-                           .nfree = BCF_IO_RING_DEPTH };
+  struct uring_batch b;
   unsigned next = 0;
 
-  for (unsigned i = 0; i < BCF_IO_RING_DEPTH; i++)
-    b.free_slots[i] = BCF_IO_RING_DEPTH - 1 - i;
-
-  for (;;) {
-    struct io_uring_cqe *cqe;
-    unsigned head, seen = 0;
-
-    /* Fill every free slot. */
-    while (next < n && b.nfree > 0) {
-      struct bcf_io_seg *seg = &segs[next++];
-      struct ioctx *c;
-      int r;
-
-      if (seg->len == 0) {
-        seg->result = 0;
-        continue;
-      }
-      c = &b.slots[b.free_slots[b.nfree - 1]];
-      *c = (struct ioctx) { .seg = seg };
-      r = io_begin (io, seg_kind (seg), c);
-      if (r < 0) {
-        seg->result = r;
-        continue;
-      }
-      b.nfree--;
-      slot_prep (&b, c);
-    }
-    if (b.nfree == BCF_IO_RING_DEPTH)
-      break;                    /* nothing queued nor in flight */
-
-    ring_submit_wait (ring);
-    io_uring_for_each_cqe (ring, head, cqe) {
-      slot_complete (&b, io_uring_cqe_get_data (cqe), cqe->res);
-      seen++;
-    }
-    io_uring_cq_advance (ring, seen);
-  }
+  batch_init (&b, io, ring);
+  while (batch_fill (&b, segs, n, &next))
+    batch_reap (&b);
 }
 
 static int
@@ -1030,7 +1052,7 @@ pick_ring (struct bcf_io *io, int *errp)
   struct io_uring *ring;
 
   *errp = 0;
-  if (io->mode == BCF_IO_SYNC)
+  if (io->mode == BCF_IO_SYNC || tls_pending)
     return NULL;
   ring = ring_get (errp);
   if (ring == NULL && io->may_fall_back)
@@ -1069,6 +1091,16 @@ validate (const struct bcf_io *io, struct bcf_io_seg *segs, unsigned n)
   return first;
 }
 
+/* The first failed segment's result, or 0. */
+static int
+first_error (const struct bcf_io_seg *segs, unsigned n)
+{
+  for (unsigned i = 0; i < n; i++)
+    if (segs[i].result < 0)
+      return segs[i].result;
+  return 0;
+}
+
 int
 bcf_io_submit (struct bcf_io *io, struct bcf_io_seg *segs, unsigned n)
 {
@@ -1088,10 +1120,57 @@ bcf_io_submit (struct bcf_io *io, struct bcf_io_seg *segs, unsigned n)
     uring_submit (io, ring, segs, n);
   else
     sync_submit (io, segs, n);
-  for (unsigned i = 0; i < n; i++)
-    if (segs[i].result < 0)
-      return segs[i].result;
-  return 0;
+  return first_error (segs, n);
+}
+
+void
+bcf_io_start (struct bcf_io *io, struct bcf_io_seg *segs, unsigned n,
+              struct bcf_io_pending *p)
+{
+  struct uring_batch *b = NULL;
+  struct io_uring *ring;
+  int r;
+
+  *p = (struct bcf_io_pending) { .io = io, .segs = segs, .n = n };
+  if (validate (io, segs, n) < 0)
+    return;
+  ring = pick_ring (io, &r);
+  if (r) {
+    for (unsigned i = 0; i < n; i++)
+      segs[i].result = -r;
+    return;
+  }
+  if (ring && (b = malloc (sizeof *b)) != NULL) {
+    batch_init (b, io, ring);
+    if (batch_fill (b, segs, n, &p->next)) {
+      /* Transient failures leave the entries queued: bcf_io_finish's
+       * first wait submits them. */
+      (void) io_uring_submit (ring);
+      p->batch = b;
+      tls_pending = p;
+      return;
+    }
+    free (b);
+    if (p->next == n)
+      return;
+  }
+  sync_submit (io, segs, n);    /* no ring, or no memory for the batch */
+}
+
+int
+bcf_io_finish (struct bcf_io_pending *p)
+{
+  struct uring_batch *b = p->batch;
+
+  if (b) {
+    do
+      batch_reap (b);
+    while (batch_fill (b, p->segs, p->n, &p->next));
+    free (b);
+    p->batch = NULL;
+    tls_pending = NULL;
+  }
+  return first_error (p->segs, p->n);
 }
 
 int

@@ -185,6 +185,26 @@ extern int bcf_io_close (struct bcf_io *io);
  * Safe to call from many threads at once. */
 extern int bcf_io_submit (struct bcf_io *io, struct bcf_io_seg *segs,
                           unsigned n);
+/* bcf_io_submit in two halves, for a caller with something else to do
+ * meanwhile (a writethrough write's backing write): bcf_io_start queues
+ * the segments and returns without waiting; bcf_io_finish waits for
+ * them and returns what bcf_io_submit would have.  segs and their
+ * buffers must stay until bcf_io_finish, which must be called, once, on
+ * the same thread (the I/O is on that thread's ring).  Meanwhile the
+ * thread's other I/O takes the synchronous path, and a second
+ * bcf_io_start on the thread is performed synchronously at once.
+ * Without io_uring (or without memory for the batch) bcf_io_start does
+ * the I/O itself. */
+struct bcf_io_pending {
+  struct bcf_io *io;
+  struct bcf_io_seg *segs;
+  unsigned n, next;
+  void *batch;                  /* in flight on the thread's ring */
+};
+extern void bcf_io_start (struct bcf_io *io, struct bcf_io_seg *segs,
+                          unsigned n, struct bcf_io_pending *p);
+extern int bcf_io_finish (struct bcf_io_pending *p);
+
 extern int bcf_io_pread (struct bcf_io *io, void *buf, size_t len,
                          uint64_t off);
 extern int bcf_io_pwrite (struct bcf_io *io, const void *buf, size_t len,
