@@ -1011,6 +1011,162 @@ bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
   w->ptrs = NULL;
 }
 
+/* ---- writes over clean data, in parallel (bcachefilter/cache.h, bcf_write_over_begin) - */
+
+/* What a write over clean data keeps between its two halves: its pieces'
+ * device writes, in flight during the caller's backing write. */
+struct bcf_write_io {
+  struct bcf_io_pending pending;
+  void *bounce;                 /* aligned copy of the data, or NULL */
+  size_t bytes;
+  struct bcf_io_seg segs[];
+};
+
+static void
+write_over_free (struct bcf_cache *c, struct bcf_write *w)
+{
+  struct bcf_write_io *wio = w->io;
+
+  for (unsigned i = 0; i < w->npieces; i++)
+    if (w->ptrs[i])
+      alloc_put (c, w->ptrs[i]);
+  if (wio) {
+    bcf_buf_free (wio->bounce, wio->bytes);
+    free (wio);
+  }
+  w->io = NULL;
+  bcf_write_release (c, w);
+}
+
+/* Can the range be written in parallel: no dirty data in it and none a
+ * crash could bring back (btree_range_returns_dirty_locked)?  Asked
+ * under the write's turn, the answer holds until the write ends: only
+ * writes put dirty data into a range, and the tracker orders every other
+ * one after this write (a checkpoint's capture only forgets what it
+ * commits, which it asks the question to answer yes meanwhile). */
+static bool
+over_clean_data (struct bcf_cache *c, uint64_t s, uint64_t e)
+{
+  bool returns;
+
+  pthread_rwlock_rdlock (&c->tree_lock);
+  returns = btree_range_returns_dirty_locked (c, c->inode, s, e);
+  pthread_rwlock_unlock (&c->tree_lock);
+  return !returns;
+}
+
+/* Why the old data may stay in the tree while the backing write runs,
+ * and the new keys go in clean after it, unjournalled:
+ *  - reads meanwhile get the old data or, once the keys are in, the new:
+ *    either is allowed before the write is acknowledged, and it is
+ *    acknowledged only after bcf_write_over_end;
+ *  - a read miss in a part of the range that held nothing lays a check
+ *    key, sees the write in the tracker and caches nothing; the keys
+ *    replace its check key anyway;
+ *  - a crash: the range's write-intent regions were marked, durably,
+ *    before the backing write, and stay marked until a checkpoint that
+ *    began after this write ended has committed (the write holds them
+ *    until bcf_write_release).  Recovery drops the clean keys of marked
+ *    regions (intent_recover): the old data, whether a checkpoint or the
+ *    journal brings it back, and the new keys, which need not survive.
+ *    Dirty data would be kept and written back over the export; there is
+ *    none (over_clean_data).  Once the mark is cleared, the committed
+ *    checkpoint holds the new keys or what replaced them since;
+ *  - the export barrier: the caller counts its backing write as an
+ *    export change before bcf_write_over_end inserts clean keys, as for
+ *    any fill, so no checkpoint persists them before the export was
+ *    flushed. */
+int
+bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                      const void *data, struct bcf_write *w)
+{
+  uint64_t s, e, chunk;
+  struct bcf_write_io *wio;
+  const uint8_t *src;
+  int r;
+
+  memset (w, 0, sizeof *w);
+  if (c->opts.readonly)
+    return -EROFS;
+  if (c->failed)
+    return -ENOSPC;
+  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+    return r;
+  if (c->opts.write_intent_off || !over_clean_data (c, s, e))
+    return -EEXIST;
+  chunk = data_chunk_sectors (c);
+  w->offset = offset;
+  w->len = len;
+  w->npieces = (unsigned) ((e - s + chunk - 1) / chunk);
+  w->ptrs = w->npieces <= BCF_WRITE_INLINE ? w->inline_ptrs
+            : calloc (w->npieces, sizeof *w->ptrs);
+  wio = calloc (1, sizeof *wio + w->npieces * sizeof *wio->segs);
+  if (!w->ptrs || !wio) {
+    free (wio);
+    bcf_write_release (c, w);
+    return -ENOMEM;
+  }
+  memset (w->ptrs, 0, w->npieces * sizeof *w->ptrs);
+  w->io = wio;
+  wio->bytes = len;
+  if (intent_write_begin (c, s, e) != 0) {
+    write_over_free (c, w);
+    return -EEXIST;
+  }
+  w->intent = true;
+  if (!(src = aligned_source (data, len, &wio->bounce))) {
+    write_over_free (c, w);
+    return -ENOMEM;
+  }
+  for (unsigned i = 0; i < w->npieces; i++) {
+    uint64_t p = s + i * chunk, pe = p + chunk < e ? p + chunk : e;
+
+    if ((r = alloc_sectors (c, (uint32_t) (pe - p), false, &w->ptrs[i])) < 0) {
+      w->ptrs[i] = 0;
+      write_over_free (c, w);
+      return r;
+    }
+    wio->segs[i] = (struct bcf_io_seg) {
+      .op = BCF_IO_WRITE,
+      .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
+      .len = (pe - p) << BCH_SECTOR_SHIFT,
+      .off = PTR_OFFSET (w->ptrs[i]) << BCH_SECTOR_SHIFT,
+    };
+  }
+  bcf_io_start (c->io, wio->segs, w->npieces, &wio->pending);
+  return 0;
+}
+
+int
+bcf_write_over_end (struct bcf_cache *c, struct bcf_write *w, int backing,
+                    bool *device_failed)
+{
+  const uint64_t chunk = data_chunk_sectors (c);
+  const uint64_t s = w->offset >> BCH_SECTOR_SHIFT;
+  const uint64_t e = (w->offset + w->len) >> BCH_SECTOR_SHIFT;
+  struct durability d = { .marked = true };
+  int r = bcf_io_finish (&w->io->pending);
+
+  *device_failed = r < 0;
+  for (unsigned i = 0; r == 0 && backing == 0 && i < w->npieces; i++) {
+    uint64_t p = s + i * chunk, pe = p + chunk < e ? p + chunk : e;
+    struct ckey k = range_piece (c, p, pe, p, true, w->ptrs[i], false);
+
+    r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, &d);
+  }
+  if (r == 0 && backing == 0) {
+    atomic_fetch_add (&c->stats.inserts, 1);
+    write_over_free (c, w);
+    return 1;
+  }
+  /* The backing store may hold the new data, or a part of it: the old
+   * data must go (durably: the marks would drop it after a crash, but
+   * this path is rare enough not to lean on them). */
+  r = bcf_invalidate (c, w->offset, w->len, true);
+  write_over_free (c, w);
+  return r < 0 ? r : 0;
+}
+
 /* ---- writes cached as fills (bcachefilter/cache.h, bcf_write_fill_begin) ------------ */
 
 int

@@ -75,6 +75,14 @@
  * check key and queues the data as a fill, a read miss's (see below):
  * no cache-device write is in series with the write.
  *
+ * Writethrough over clean data the cache holds (write_over): W2 marks
+ * the write-intent regions and starts the cache-device write without
+ * waiting (bcf_write_over_begin); W3 runs alongside it; W4 waits for it
+ * and puts the data in as clean keys, replacing the old data, which
+ * served reads until then (bcf_write_over_end).  Not where dirty data is
+ * in the span or could come back after a crash: there cache_write's
+ * dirty keys go first.
+ *
  * Writeback mode (should_write_back: bcache's should_writeback and its
  * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
  * (write_back), journalled, waiting for the journal only for FUA; and
@@ -1832,6 +1840,46 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
   return 1;
 }
 
+/* Writethrough over clean data the cache holds (bcf_write_over_begin):
+ * W2's cache-device write runs alongside W3 instead of before it, and
+ * the data goes in as clean keys at W4, after both.  The range keeps its
+ * old data until then, which concurrent reads may get (the write is not
+ * acknowledged yet), and its write-intent marks make a crash drop both
+ * (extent.c argues it).  So the write costs what its backing write
+ * costs, where cache_write put a device write in series with it.  Not
+ * taken where the range holds dirty data or a crash could bring some
+ * back: there the keys must be on the journal, dirty, before W3.  The
+ * partial blocks at the ends are invalidated durably before W3, as
+ * cache_write does.  Returns 1 and the write's result in *rc if done; 0
+ * if not taken (the caller goes on with cache_write). */
+static int
+write_over (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+            struct span in, const uint8_t *buf, uint32_t count,
+            uint64_t offset, bool fua, int *rc)
+{
+  struct bcf_write w;
+  bool failed;
+  int e = bcf_write_over_begin (r->c, in.start, in.end - in.start,
+                                buf + (in.start - offset), &w);
+
+  if (e < 0) {
+    if (e != -EEXIST && e != -ENOSPC && e != -EROFS && e != -ENOMEM)
+      device_error (r);
+    return 0;
+  }
+  if ((*rc = invalidate_durably (r, s.start, in.start - s.start)) == 0 &&
+      (*rc = invalidate_durably (r, in.end, s.end - in.end)) == 0)
+    *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count,   /* W3 */
+                                             offset, fua));
+  e = bcf_write_over_end (r->c, &w, *rc, &failed);              /* W4 */
+  if (failed)
+    device_error (r);
+  if (e < 0)
+    cache_update_failed (r);
+  atomic_fetch_add (e == 1 ? &r->write_inserts : &r->write_collisions, 1);
+  return 1;
+}
+
 int
 bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
@@ -1902,7 +1950,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (!insert && !off)
     bcf_stats_add (r->stats, BCF_STAT_BYPASSED_BYTES, count);
   if (insert && !dirty && !cache_off (r) &&
-      write_fill (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc)) {
+      (write_fill (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc) ||
+       write_over (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc))) {
     bcf_bypass_end (r->tracker, &tok);                         /* W5 */
     free (wide);
     return rc;

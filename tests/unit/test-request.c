@@ -182,19 +182,22 @@ writer_thread (void *arg)
  * cache (writearound, or a sequential stream past the cutoff) dropped the
  * range: the read returns the old data (the write is not acknowledged
  * yet: allowed), and must not cache it: once the write completes, every
- * read returns the new data.  A writethrough write that is cached put its
- * data in as a dirty key: the read returns the new data already.  The
- * read is half the write, so that it is not a stream past the cutoff. */
+ * read returns the new data.  A writethrough write over clean cached data
+ * (write_over) leaves the old data in place until its backing write is
+ * done: the read hits it, old data again.  The read is half the write, so
+ * that it is not a stream past the cutoff. */
 static void
 seed_race (enum bcf_cache_mode mode, bool warm, uint64_t cutoff)
 {
   struct fx f;
   uint8_t old[64 * 1024], new[64 * 1024], got[32 * 1024];
   const uint64_t off = 8 * MiB;
-  /* Over cached data a writethrough write puts its dirty keys in first;
-   * over uncached data it is cached after its backing write, as a fill
-   * (write_fill), and meanwhile the range reads as a miss. */
-  const bool dirty = mode == BCF_MODE_WRITETHROUGH && cutoff == 0 && warm;
+  /* Over clean cached data a writethrough write keeps the old data
+   * cached until its backing write is done (write_over); over uncached
+   * data it is cached after its backing write, as a fill (write_fill),
+   * and meanwhile the range reads as a miss; a bypassing write drops the
+   * range first. */
+  const bool kept = mode == BCF_MODE_WRITETHROUGH && cutoff == 0 && warm;
   struct mem_backing_gate *g;
   struct writer w;
   pthread_t t;
@@ -218,9 +221,9 @@ seed_race (enum bcf_cache_mode mode, bool warm, uint64_t cutoff)
                  "the write never reached the backing store");
 
   /* The write is between its cache update and its backing write. */
-  ck_assert (cached (&f, off, sizeof got) == dirty);
+  ck_assert (cached (&f, off, sizeof got) == kept);
   ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (memcmp (got, dirty ? new : old, sizeof got) == 0);
+  ck_assert (memcmp (got, old, sizeof got) == 0);
   bcf_req_drain (f.r);          /* the read's fill, if any, has run */
 
   mem_backing_gate_release (g);
@@ -450,6 +453,80 @@ START_TEST (dirty_keys_written_back_after_crash)
 }
 END_TEST
 
+/* A writethrough write over clean cached data (write_over) leaves the
+ * old key in the tree, and on disk, until its backing write is done, and
+ * puts its own in unjournalled: a crash right after it was acknowledged
+ * brings the old key back from the checkpoint.  Its write-intent mark,
+ * durable before the backing write, makes recovery drop it: the range
+ * reads the export's new data, never the old. */
+START_TEST (write_over_clean_crash)
+{
+  struct fx f;
+  uint8_t old[65536], new[65536], got[65536];
+  const uint64_t off = 5 * MiB;
+
+  fx_init (&f, "overcrash.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (old, sizeof old, 0x41);
+  pattern (new, sizeof new, 0x42);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (cached (&f, off, sizeof got));
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);     /* old key on disk */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
+                    0);
+  ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), 0);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, new, sizeof got) == 0);
+  ck_assert (cached (&f, off, sizeof got));
+
+  bcf_req_free (f.r);
+  f.r = NULL;
+  bcf_cache_test_crash (f.c, seed, BCF_IO_CRASH_LOSE_ALL);
+  f.c = NULL;
+  fx_open (&f);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
+                 "after a crash the cache served the data the write "
+                 "replaced");
+  fx_free (&f);
+}
+END_TEST
+
+/* A write over clean cached data whose backing write fails: the client
+ * is told so, and the range's old data is gone from the cache (the
+ * backing store may hold a part of the new), in memory and after a
+ * restart: reads give what the backing store has. */
+START_TEST (write_over_clean_fails)
+{
+  struct fx f;
+  uint8_t old[65536], new[65536], got[65536], back[65536];
+  const uint64_t off = 7 * MiB;
+  int fail;
+
+  fx_init (&f, "overfail.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  pattern (old, sizeof old, 0x51);
+  pattern (new, sizeof new, 0x52);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (cached (&f, off, sizeof got));
+  fail = mem_backing_fail_range (f.mb, MEM_BACKING_WRITE, off, sizeof new,
+                                 EIO);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
+                    -EIO);
+  mem_backing_fail_range_clear (f.mb, fail);
+  ck_assert (!cached (&f, off, sizeof got));
+  mem_backing_poke (f.mb, new, 4096, off);    /* a part of it landed */
+  mem_backing_peek (f.mb, back, sizeof back, off);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, back, sizeof got) == 0);
+  fx_close (&f);
+  fx_open (&f);
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+  ck_assert (memcmp (got, back, sizeof got) == 0);
+  fx_free (&f);
+}
+END_TEST
+
 /* The writeback thread (opts.background) drains what a crash left by
  * itself; a backing store that fails keeps the data dirty (retried),
  * never dropped. */
@@ -593,9 +670,11 @@ END_TEST
  * backing store and the cache in different orders, and the two end up
  * disagreeing (see overlapping_writethrough_writes for which park).
  * Returns whether cache and backing store agreed. */
+enum held { COLD, WARM_CLEAN, WARM_DIRTY };
+
 static bool
 overlapping_writes (enum bcf_cache_mode mode, enum mem_backing_gate_point when,
-                    bool ordered, bool warm)
+                    bool ordered, enum held warm)
 {
   struct fx f;
   uint8_t a[16384], b[16384], got[16384], back[16384];
@@ -606,8 +685,13 @@ overlapping_writes (enum bcf_cache_mode mode, enum mem_backing_gate_point when,
   bool agree;
 
   fx_init (&f, "overlap.img", 64 * MiB, mode);
-  if (warm) {         /* cached: W1 puts dirty keys in first */
+  if (warm == WARM_CLEAN) {   /* cached: inserted after the backing write */
     ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert (cached (&f, off, sizeof got));
+  }
+  if (warm == WARM_DIRTY) {   /* dirty: dirty keys go in before it */
+    pattern (a, sizeof a, 0xc3);
+    crash_with_dirty (&f, a, sizeof a, off);
     ck_assert (cached (&f, off, sizeof got));
   }
   bcf_req_test_disable_ordering (f.r, !ordered);
@@ -656,9 +740,14 @@ overlapping_writes (enum bcf_cache_mode mode, enum mem_backing_gate_point when,
 
 START_TEST (overlapping_writethrough_writes)
 {
-  /* Over cached data writes go in as dirty keys before their backing
-   * writes; over uncached data, as fills after them. */
-  for (int warm = 0; warm <= 1; warm++) {
+  /* Over dirty data writes go in as dirty keys before their backing
+   * writes; over clean or uncached data, after them (write_over,
+   * write_fill). */
+  static const char *const held[] = { "uncached, fills",
+                                      "clean, inserted after",
+                                      "dirty, dirty keys" };
+
+  for (enum held warm = COLD; warm <= WARM_DIRTY; warm++) {
     overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_BEFORE_IO, true,
                         warm);
     overlapping_writes (BCF_MODE_WRITETHROUGH, MEM_BACKING_AFTER_IO, true,
@@ -668,14 +757,15 @@ START_TEST (overlapping_writethrough_writes)
     /* The negative control: without the ordering, W1's data lands last
      * in the backing store while the cache keeps W2's (dirty keys, W1
      * parked before its I/O); or W2's lands last while the cache keeps
-     * W1's (fills, which go in after the backing write: W1 parked after
-     * its I/O, its fill after W2's). */
+     * W1's (keys that go in after the backing write: W1 parked after
+     * its I/O, its insert after W2's). */
     ck_assert_msg (!overlapping_writes (BCF_MODE_WRITETHROUGH,
-                                        warm ? MEM_BACKING_BEFORE_IO
+                                        warm == WARM_DIRTY
+                                        ? MEM_BACKING_BEFORE_IO
                                         : MEM_BACKING_AFTER_IO, false, warm),
                    "without the ordering the interleaving should leave the "
                    "cache and the backing store disagreeing (%s)",
-                   warm ? "cached, dirty keys" : "uncached, fills");
+                   held[warm]);
   }
 }
 END_TEST
@@ -1610,6 +1700,8 @@ request_suite (void)
   ADD (miss_next_to_write_cached);
   ADD (overlapping_writethrough_writes);
   ADD (dirty_keys_written_back_after_crash);
+  ADD (write_over_clean_crash);
+  ADD (write_over_clean_fails);
   ADD (writeback_thread_drains);
   ADD (write_during_writeback_ordered);
   ADD (writethrough_caches_writes);
