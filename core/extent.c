@@ -760,6 +760,35 @@ bcf_drop_hit (struct bcf_cache *c, const struct bcf_extent *e)
   return r == -EEXIST ? 0 : r;
 }
 
+/* Allocate new cache space for [s, e) (sectors) in pieces of at most
+ * data_chunk_sectors, pinned until given back with alloc_put; ptr[i]
+ * gets piece i's pointer and segs[i] its device write from src (which
+ * holds the range from s).  *got counts the pieces allocated, also when
+ * one fails.  Returns 0 or -errno (-ENOSPC: no room now). */
+static int
+alloc_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const uint8_t *src,
+              bool dirty, uint64_t *ptr, struct bcf_io_seg *segs,
+              unsigned *got)
+{
+  const uint64_t chunk = data_chunk_sectors (c);
+  int r = 0;
+
+  for (uint64_t p = s; r == 0 && p < e; p += chunk) {
+    uint64_t pe = p + chunk < e ? p + chunk : e;
+
+    if ((r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr[*got])) < 0)
+      break;
+    segs[*got] = (struct bcf_io_seg) {
+      .op = BCF_IO_WRITE,
+      .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
+      .len = (pe - p) << BCH_SECTOR_SHIFT,
+      .off = PTR_OFFSET (ptr[*got]) << BCH_SECTOR_SHIFT,
+    };
+    (*got)++;
+  }
+  return r;
+}
+
 /* Write [s, e) of data (sectors; data holds the range from s) to new
  * cache space and insert it, journalled, as one key per piece of at most
  * data_chunk_sectors; the pieces' pointers go to ptrs (if not NULL).
@@ -799,18 +828,8 @@ write_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const void *data,
   if (r == 0 && c->failed)
     r = -ENOSPC;
   /* 1. Allocate every piece. */
-  for (uint64_t p = s; r == 0 && p < e; p += chunk, got++) {
-    uint64_t pe = p + chunk < e ? p + chunk : e;
-
-    if ((r = alloc_sectors (c, (uint32_t) (pe - p), dirty, &ptr[got])) < 0)
-      break;
-    segs[got] = (struct bcf_io_seg) {
-      .op = BCF_IO_WRITE,
-      .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
-      .len = (pe - p) << BCH_SECTOR_SHIFT,
-      .off = PTR_OFFSET (ptr[got]) << BCH_SECTOR_SHIFT,
-    };
-  }
+  if (r == 0)
+    r = alloc_pieces (c, s, e, src, dirty, ptr, segs, &got);
   /* 2. Write them all. */
   if (r == 0) {
     bcf_io_submit (c->io, segs, n);
@@ -876,6 +895,23 @@ write_piece (const struct bcf_cache *c, const struct bcf_write *w,
   return range_piece (c, s, pe, s, true, w->ptrs[i], true);
 }
 
+/* w for the write [offset, +len) (bytes, whole blocks): its pieces, one
+ * per allocation of at most data_chunk_sectors.  Returns 0 or -ENOMEM. */
+static int
+write_init (const struct bcf_cache *c, uint64_t offset, uint64_t len,
+            struct bcf_write *w)
+{
+  const uint64_t chunk = data_chunk_sectors (c);
+  const uint64_t sectors = len >> BCH_SECTOR_SHIFT;
+
+  w->offset = offset;
+  w->len = len;
+  w->npieces = (unsigned) ((sectors + chunk - 1) / chunk);
+  w->ptrs = w->npieces <= BCF_WRITE_INLINE ? w->inline_ptrs
+            : calloc (w->npieces, sizeof *w->ptrs);
+  return w->ptrs ? 0 : -ENOMEM;
+}
+
 /* A write's data goes to the cache as dirty keys ("the cache holds data
  * the backing store may not have yet"), journalled, before or alongside
  * its backing write.  Why ordered matters: where the range held data a
@@ -894,7 +930,7 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
              const void *data, struct bcf_write *w, bool through)
 {
   struct durability d = { 0 };
-  uint64_t s, e, chunk;
+  uint64_t s, e;
   int r;
 
   memset (w, 0, sizeof *w);
@@ -902,14 +938,8 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return -EROFS;
   if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
     return r;
-  chunk = data_chunk_sectors (c);
-  w->offset = offset;
-  w->len = len;
-  w->npieces = (unsigned) ((e - s + chunk - 1) / chunk);
-  w->ptrs = w->npieces <= BCF_WRITE_INLINE ? w->inline_ptrs
-            : calloc (w->npieces, sizeof *w->ptrs);
-  if (!w->ptrs)
-    return -ENOMEM;
+  if ((r = write_init (c, offset, len, w)) < 0)
+    return r;
   if (through && !c->opts.write_intent_off &&
       intent_write_begin (c, s, e) == 0)
     w->intent = d.marked = true;
@@ -1019,6 +1049,7 @@ struct bcf_write_io {
   struct bcf_io_pending pending;
   void *bounce;                 /* aligned copy of the data, or NULL */
   size_t bytes;
+  unsigned got;                 /* pieces allocated (pinned) */
   struct bcf_io_seg segs[];
 };
 
@@ -1027,10 +1058,9 @@ write_over_free (struct bcf_cache *c, struct bcf_write *w)
 {
   struct bcf_write_io *wio = w->io;
 
-  for (unsigned i = 0; i < w->npieces; i++)
-    if (w->ptrs[i])
-      alloc_put (c, w->ptrs[i]);
   if (wio) {
+    for (unsigned i = 0; i < wio->got; i++)
+      alloc_put (c, w->ptrs[i]);
     bcf_buf_free (wio->bounce, wio->bytes);
     free (wio);
   }
@@ -1080,7 +1110,7 @@ int
 bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
                       const void *data, struct bcf_write *w)
 {
-  uint64_t s, e, chunk;
+  uint64_t s, e;
   struct bcf_write_io *wio;
   const uint8_t *src;
   int r;
@@ -1094,19 +1124,13 @@ bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   if (c->opts.write_intent_off || !over_clean_data (c, s, e))
     return -EEXIST;
-  chunk = data_chunk_sectors (c);
-  w->offset = offset;
-  w->len = len;
-  w->npieces = (unsigned) ((e - s + chunk - 1) / chunk);
-  w->ptrs = w->npieces <= BCF_WRITE_INLINE ? w->inline_ptrs
-            : calloc (w->npieces, sizeof *w->ptrs);
+  if ((r = write_init (c, offset, len, w)) < 0)
+    return r;
   wio = calloc (1, sizeof *wio + w->npieces * sizeof *wio->segs);
-  if (!w->ptrs || !wio) {
-    free (wio);
+  if (!wio) {
     bcf_write_release (c, w);
     return -ENOMEM;
   }
-  memset (w->ptrs, 0, w->npieces * sizeof *w->ptrs);
   w->io = wio;
   wio->bytes = len;
   if (intent_write_begin (c, s, e) != 0) {
@@ -1118,20 +1142,10 @@ bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     write_over_free (c, w);
     return -ENOMEM;
   }
-  for (unsigned i = 0; i < w->npieces; i++) {
-    uint64_t p = s + i * chunk, pe = p + chunk < e ? p + chunk : e;
-
-    if ((r = alloc_sectors (c, (uint32_t) (pe - p), false, &w->ptrs[i])) < 0) {
-      w->ptrs[i] = 0;
-      write_over_free (c, w);
-      return r;
-    }
-    wio->segs[i] = (struct bcf_io_seg) {
-      .op = BCF_IO_WRITE,
-      .buf = (void *) (src + ((p - s) << BCH_SECTOR_SHIFT)),
-      .len = (pe - p) << BCH_SECTOR_SHIFT,
-      .off = PTR_OFFSET (w->ptrs[i]) << BCH_SECTOR_SHIFT,
-    };
+  if ((r = alloc_pieces (c, s, e, src, false, w->ptrs, wio->segs,
+                         &wio->got)) < 0) {
+    write_over_free (c, w);
+    return r;
   }
   bcf_io_start (c->io, wio->segs, w->npieces, &wio->pending);
   return 0;

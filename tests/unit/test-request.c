@@ -159,6 +159,20 @@ counter (struct fx *f, enum bcf_stat_counter k)
   return v[k];
 }
 
+/* The backing store holds data at off, and the cache too (read once). */
+static void
+warm_range (struct fx *f, const uint8_t *data, uint32_t len, uint64_t off)
+{
+  uint8_t *got = malloc (len);
+
+  ck_assert_ptr_nonnull (got);
+  mem_backing_poke (f->mb, data, len, off);
+  ck_assert_int_eq (bcf_req_read (f->r, &f->b, got, len, off), 0);
+  ck_assert (memcmp (got, data, len) == 0);
+  ck_assert (cached (f, off, len));
+  free (got);
+}
+
 /* ---- the seed race ---------------------------------------------------------------- */
 
 struct writer {
@@ -422,9 +436,7 @@ START_TEST (dirty_keys_written_back_after_crash)
   fx_init (&f, "recover.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
   pattern (old, sizeof old, 0x10);
   pattern (new, sizeof new, 0x20);
-  mem_backing_poke (f.mb, old, sizeof old, off);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (cached (&f, off, sizeof got));
+  warm_range (&f, old, sizeof old, off);
   ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
   crash_with_dirty (&f, new, sizeof new, off);
 
@@ -468,9 +480,7 @@ START_TEST (write_over_clean_crash)
   fx_init (&f, "overcrash.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
   pattern (old, sizeof old, 0x41);
   pattern (new, sizeof new, 0x42);
-  mem_backing_poke (f.mb, old, sizeof old, off);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (cached (&f, off, sizeof got));
+  warm_range (&f, old, sizeof old, off);
   ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);     /* old key on disk */
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
                     0);
@@ -506,9 +516,7 @@ START_TEST (write_over_clean_fails)
   fx_init (&f, "overfail.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
   pattern (old, sizeof old, 0x51);
   pattern (new, sizeof new, 0x52);
-  mem_backing_poke (f.mb, old, sizeof old, off);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (cached (&f, off, sizeof got));
+  warm_range (&f, old, sizeof old, off);
   fail = mem_backing_fail_range (f.mb, MEM_BACKING_WRITE, off, sizeof new,
                                  EIO);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
