@@ -3,7 +3,7 @@
 # from what it left in OUTDIR (fio JSON and clat logs, results.tsv,
 # bcachefilter-ctl stats --json before and after each bcachefilter run).
 # Can be run again on a kept OUTDIR.
-import json, os, sys, glob
+import json, os, sys, glob, statistics
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bcfstats
 out, dur = sys.argv[1], int(sys.argv[2])
@@ -47,9 +47,12 @@ def stats_of(name):
 def before_of(name):
     return bcfstats.load(os.path.join(out, name + ".before.json"))
 
-rows = [l.rstrip("\n").split("\t") for l in open(os.path.join(out, "results.tsv"))]
+# c, j, name and (from REPEAT on) the round; older runs have no round.
+rows = [(l.rstrip("\n").split("\t") + ["1"])[:4]
+        for l in open(os.path.join(out, "results.tsv"))]
+rounds = sorted(set(int(r) for *_, r in rows))
 res = {}
-for c, j, name in rows:
+for c, j, name, rnd in rows:
     d = json.load(open(os.path.join(out, name + ".json")))["jobs"][0]["mixed"]
     cl = d["clat_ns"]
     ent, idle = lat_log(name)
@@ -69,25 +72,56 @@ for c, j, name in rows:
                         ("wait", "lookup_lock_wait"),
                         ("jw", "journal_write")):
             r[k] = in_run(e[stat], e0[stat])
-    res[(c, j)] = r
+    res[(c, j, int(rnd))] = r
 
-print("| job | front end | IOPS | p50 ms | p99 ms | max ms | worst second (s: max ms) | s without completions | max / proxy max | p50 / proxy p50 |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-for (c, j), r in res.items():
-    px = res.get(("proxy", j))
-    rmax = f"{r['max'] / px['max']:.2f}" if px and px["max"] else "–"
-    rp50 = f"{r['p50'] / px['p50']:.2f}" if px and px["p50"] else "–"
-    print(f"| {j} | {c} | {r['iops']:.0f} | {r['p50']:.3f} | {r['p99']:.3f} | "
-          f"{r['max']:.1f} | {r['worst'][0]}: {r['worst'][1]:.1f} | {r['idle']} | {rmax} | {rp50} |")
+def ratio(r, c, j, rnd, k):
+    """r[k] over the proxy's in the same job and round, or None."""
+    px = res.get(("proxy", j, rnd))
+    return r[k] / px[k] if px and px[k] else None
+
+def fmt(x):
+    return f"{x:.2f}" if x is not None else "–"
+
+many = len(rounds) > 1
+print(f"| job |{' round |' if many else ''} front end | IOPS | p50 ms | p99 ms | max ms | worst second (s: max ms) | s without completions | max / proxy max | p50 / proxy p50 |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for (c, j, rnd), r in res.items():
+    print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['iops']:.0f} | {r['p50']:.3f} | {r['p99']:.3f} | "
+          f"{r['max']:.1f} | {r['worst'][0]}: {r['worst'][1]:.1f} | {r['idle']} | "
+          f"{fmt(ratio(r, c, j, rnd, 'max'))} | {fmt(ratio(r, c, j, rnd, 'p50'))} |")
 print()
+if many:
+    # Issue 15's bounds for the forced-GC runs: max <= 1.5 x the proxy's
+    # max, no second without completions.
+    print(f"Medians over the {len(rounds)} rounds (the ratios are the medians of each")
+    print("round's ratio to the proxy of the same round), and the rounds in which")
+    print("the run's max was at most 1.5 x the proxy's with no second without")
+    print("completions:")
+    print()
+    print("| job | front end | IOPS | p50 ms | max ms | max / proxy max | p50 / proxy p50 | rounds within 1.5 x, no idle second |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for c, j in dict.fromkeys((c, j) for c, j, _ in res):
+        rs = [(rnd, res[(c, j, rnd)]) for rnd in rounds if (c, j, rnd) in res]
+        med = lambda k: statistics.median(r[k] for _, r in rs)
+        rm = [ratio(r, c, j, rnd, "max") for rnd, r in rs]
+        rp = [ratio(r, c, j, rnd, "p50") for rnd, r in rs]
+        rm, rp = [x for x in rm if x is not None], [x for x in rp if x is not None]
+        ok = sum(1 for rnd, r in rs
+                 if (ratio(r, c, j, rnd, "max") or 0) <= 1.5 and r["idle"] == 0
+                 and ("proxy", j, rnd) in res)
+        print(f"| {j} | {c} | {med('iops'):.0f} | {med('p50'):.3f} | {med('max'):.1f} | "
+              f"{fmt(statistics.median(rm) if rm else None)} | "
+              f"{fmt(statistics.median(rp) if rp else None)} | "
+              f"{ok} of {len(rs) if ('proxy', j, rs[0][0]) in res else 0} |")
+    print()
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print("| job | front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | lookup wait for the lock | journal write |")
-print("|---|---|---:|---:|---:|---:|---:|---:|")
-for (c, j), r in res.items():
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | lookup wait for the lock | journal write |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|")
+for (c, j, rnd), r in res.items():
     if "gc" in r:
-        print(f"| {j} | {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
+        print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
               f"{r['ckpt']} | {r['wait']} | {r['jw']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
