@@ -847,6 +847,38 @@ free_slot (struct server *s)
   return NULL;
 }
 
+/* Advance every open connection that is ready now (a poll that does not
+ * wait): a client that left, or whose reply went out, frees its slot.
+ * accept_queued asks this before it refuses a connection as busy: the
+ * accept loop also takes connections that came after the turn's poll,
+ * and a client that came after another left was refused while a slot was
+ * in fact free (test-ctl's test_slots_full, under load: the server was
+ * preempted after refusing one client, whose next client closed an idle
+ * connection and connected again before the loop went on). */
+static void
+reap_ready (struct server *s)
+{
+  struct pollfd pfd[CTL_MAX_CONNS];
+  struct conn *polled[CTL_MAX_CONNS];
+  nfds_t n = 0;
+
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
+    struct conn *c = &s->conn[i];
+
+    if (c->fd == -1)
+      continue;
+    polled[n] = c;
+    pfd[n++] = (struct pollfd) {
+      .fd = c->fd, .events = c->writing ? POLLOUT : POLLIN,
+    };
+  }
+  if (poll (pfd, n, 0) <= 0)
+    return;
+  for (nfds_t i = 0; i < n; i++)
+    if (pfd[i].revents && !conn_step (s, polled[i]))
+      conn_close (s, polled[i]);
+}
+
 /* Accept what the listen queue holds, at most CTL_MAX_CONNS at a time
  * (the open connections get their turn), and serve each as far as it
  * goes at once: a client that sent its line before being accepted is
@@ -873,6 +905,10 @@ accept_queued (struct server *s)
       return;
     }
     c = free_slot (s);
+    if (c == NULL) {
+      reap_ready (s);
+      c = free_slot (s);
+    }
     if (c == NULL) {
       refuse_busy (fd);
       continue;
