@@ -52,6 +52,21 @@ to_sectors (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return 0;
 }
 
+/* The guards of every call that puts new data into the cache (a miss's
+ * check key, a write's keys): a read-only cache takes nothing (-EROFS),
+ * a failed one nothing new (-ENOSPC), and the range must be whole
+ * blocks (to_sectors). */
+static int
+new_data_range (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                uint64_t *start, uint64_t *end)
+{
+  if (c->opts.readonly)
+    return -EROFS;
+  if (c->failed)
+    return -ENOSPC;
+  return to_sectors (c, offset, len, start, end);
+}
+
 /* What [s, e) holds, as an invalidation sees it (bcf_invalidate). */
 enum range_state {
   RANGE_EMPTY,                /* no key at all */
@@ -469,11 +484,7 @@ bcf_miss_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   uint64_t s, e;
   int r;
 
-  if (c->opts.readonly)
-    return -EROFS;
-  if (c->failed)
-    return -ENOSPC;
-  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+  if ((r = new_data_range (c, offset, len, &s, &e)) < 0)
     return r;
   m->offset = offset;
   m->len = len;
@@ -882,17 +893,17 @@ bcf_insert (struct bcf_cache *c, uint64_t offset, uint64_t len,
 
 /* ---- dirty writes (DESIGN.md "Writes on dirty keys") ----------------------------- */
 
-/* The dirty key of piece i of w. */
+/* The key of piece i of w, dirty or clean. */
 static struct ckey
 write_piece (const struct bcf_cache *c, const struct bcf_write *w,
-             unsigned i)
+             unsigned i, bool dirty)
 {
   const uint64_t chunk = data_chunk_sectors (c);
   const uint64_t s = (w->offset >> BCH_SECTOR_SHIFT) + i * chunk;
   const uint64_t e = (w->offset + w->len) >> BCH_SECTOR_SHIFT;
   const uint64_t pe = s + chunk < e ? s + chunk : e;
 
-  return range_piece (c, s, pe, s, true, w->ptrs[i], true);
+  return range_piece (c, s, pe, s, true, w->ptrs[i], dirty);
 }
 
 /* w for the write [offset, +len) (bytes, whole blocks): its pieces, one
@@ -1010,7 +1021,7 @@ bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w)
 
   pthread_rwlock_wrlock (&c->tree_lock);
   for (unsigned i = 0; i < w->npieces && cleaned >= 0; i++) {
-    struct ckey k = write_piece (c, w, i);
+    struct ckey k = write_piece (c, w, i, true);
     int64_t n = btree_mark_clean_locked (c, &k);
     cleaned = n < 0 ? n : cleaned + n;
   }
@@ -1047,8 +1058,7 @@ bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
  * device writes, in flight during the caller's backing write. */
 struct bcf_write_io {
   struct bcf_io_pending pending;
-  void *bounce;                 /* aligned copy of the data, or NULL */
-  size_t bytes;
+  void *bounce;                 /* aligned copy of the data (w->len), or NULL */
   unsigned got;                 /* pieces allocated (pinned) */
   struct bcf_io_seg segs[];
 };
@@ -1061,7 +1071,7 @@ write_over_free (struct bcf_cache *c, struct bcf_write *w)
   if (wio) {
     for (unsigned i = 0; i < wio->got; i++)
       alloc_put (c, w->ptrs[i]);
-    bcf_buf_free (wio->bounce, wio->bytes);
+    bcf_buf_free (wio->bounce, w->len);
     free (wio);
   }
   w->io = NULL;
@@ -1072,8 +1082,10 @@ write_over_free (struct bcf_cache *c, struct bcf_write *w)
  * crash could bring back (btree_range_returns_dirty_locked)?  Asked
  * under the write's turn, the answer holds until the write ends: only
  * writes put dirty data into a range, and the tracker orders every other
- * one after this write (a checkpoint's capture only forgets what it
- * commits, which it asks the question to answer yes meanwhile). */
+ * one after this write.  A checkpoint that captures the range meanwhile
+ * clears dcopies, but only for what it then commits; asked between its
+ * capture and its commit, the question answers yes (ckpt_uncommitted)
+ * and the write takes cache_write's way. */
 static bool
 over_clean_data (struct bcf_cache *c, uint64_t s, uint64_t e)
 {
@@ -1116,11 +1128,7 @@ bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   int r;
 
   memset (w, 0, sizeof *w);
-  if (c->opts.readonly)
-    return -EROFS;
-  if (c->failed)
-    return -ENOSPC;
-  if ((r = to_sectors (c, offset, len, &s, &e)) < 0)
+  if ((r = new_data_range (c, offset, len, &s, &e)) < 0)
     return r;
   if (c->opts.write_intent_off || !over_clean_data (c, s, e))
     return -EEXIST;
@@ -1132,7 +1140,6 @@ bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return -ENOMEM;
   }
   w->io = wio;
-  wio->bytes = len;
   if (intent_write_begin (c, s, e) != 0) {
     write_over_free (c, w);
     return -EEXIST;
@@ -1155,16 +1162,12 @@ int
 bcf_write_over_end (struct bcf_cache *c, struct bcf_write *w, int backing,
                     bool *device_failed)
 {
-  const uint64_t chunk = data_chunk_sectors (c);
-  const uint64_t s = w->offset >> BCH_SECTOR_SHIFT;
-  const uint64_t e = (w->offset + w->len) >> BCH_SECTOR_SHIFT;
   struct durability d = { .marked = true };
   int r = bcf_io_finish (&w->io->pending);
 
   *device_failed = r < 0;
   for (unsigned i = 0; r == 0 && backing == 0 && i < w->npieces; i++) {
-    uint64_t p = s + i * chunk, pe = p + chunk < e ? p + chunk : e;
-    struct ckey k = range_piece (c, p, pe, p, true, w->ptrs[i], false);
+    struct ckey k = write_piece (c, w, i, false);
 
     r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, &d);
   }
@@ -1191,11 +1194,7 @@ bcf_write_fill_begin (struct bcf_cache *c, uint64_t span_off,
   bool unpersisted;
   int r;
 
-  if (c->opts.readonly)
-    return -EROFS;
-  if (c->failed)
-    return -ENOSPC;
-  if ((r = to_sectors (c, span_off, span_len, &s, &e)) < 0)
+  if ((r = new_data_range (c, span_off, span_len, &s, &e)) < 0)
     return r;
   /* Only where nothing could come back: no key at all (bcf_invalidate's
    * test for a removal that needs no journal), no stale key a crash

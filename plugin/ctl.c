@@ -847,6 +847,30 @@ free_slot (struct server *s)
   return NULL;
 }
 
+/* A pollfd in pfd (and its connection in polled) for every open
+ * connection, waiting to read its line or to send its reply; *wake is
+ * lowered to the nearest deadline.  Returns how many. */
+static nfds_t
+conn_pollfds (struct server *s, struct pollfd *pfd, struct conn **polled,
+              uint64_t *wake)
+{
+  nfds_t n = 0;
+
+  for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
+    struct conn *c = &s->conn[i];
+
+    if (c->fd == -1)
+      continue;
+    polled[n] = c;
+    pfd[n++] = (struct pollfd) {
+      .fd = c->fd, .events = c->writing ? POLLOUT : POLLIN,
+    };
+    if (c->deadline < *wake)
+      *wake = c->deadline;
+  }
+  return n;
+}
+
 /* Advance every open connection that is ready now (a poll that does not
  * wait): a client that left, or whose reply went out, frees its slot.
  * accept_queued asks this before it refuses a connection as busy: the
@@ -860,18 +884,9 @@ reap_ready (struct server *s)
 {
   struct pollfd pfd[CTL_MAX_CONNS];
   struct conn *polled[CTL_MAX_CONNS];
-  nfds_t n = 0;
+  uint64_t ignored = UINT64_MAX;
+  nfds_t n = conn_pollfds (s, pfd, polled, &ignored);
 
-  for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
-    struct conn *c = &s->conn[i];
-
-    if (c->fd == -1)
-      continue;
-    polled[n] = c;
-    pfd[n++] = (struct pollfd) {
-      .fd = c->fd, .events = c->writing ? POLLOUT : POLLIN,
-    };
-  }
   if (poll (pfd, n, 0) <= 0)
     return;
   for (nfds_t i = 0; i < n; i++)
@@ -937,18 +952,7 @@ serve (void *arg)
     pfd[1] = (struct pollfd) { .fd = -1 };      /* -1: ignored by poll */
     if (accepting (s, now, &wake))
       pfd[1] = (struct pollfd) { .fd = ctl.listen_fd, .events = POLLIN };
-    for (unsigned i = 0; i < CTL_MAX_CONNS; i++) {
-      struct conn *c = &s->conn[i];
-
-      if (c->fd == -1)
-        continue;
-      polled[n - 2] = c;
-      pfd[n++] = (struct pollfd) {
-        .fd = c->fd, .events = c->writing ? POLLOUT : POLLIN,
-      };
-      if (c->deadline < wake)
-        wake = c->deadline;
-    }
+    n += conn_pollfds (s, pfd + 2, polled, &wake);
     if (wake == UINT64_MAX)
       timeout = -1;
     else
