@@ -1150,9 +1150,8 @@ bcf_io_start (struct bcf_io *io, struct bcf_io_seg *segs, unsigned n,
       tls_pending = p;
       return;
     }
-    free (b);
-    if (p->next == n)
-      return;
+    free (b);                   /* nothing needed I/O */
+    return;
   }
   sync_submit (io, segs, n);    /* no ring, or no memory for the batch */
 }
