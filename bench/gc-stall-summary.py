@@ -70,8 +70,10 @@ for c, j, name, rnd in rows:
         for k, stat in (("slice", "gc_slice_locked"),
                         ("ckpt", "checkpoint_locked"),
                         ("wait", "lookup_lock_wait"),
+                        ("upd", "update_locked"),
                         ("jw", "journal_write")):
-            r[k] = in_run(e[stat], e0[stat])
+            # (update_locked is newer than some saved runs.)
+            r[k] = in_run(e[stat], e0[stat]) if stat in e else "–"
     res[(c, j, int(rnd))] = r
 
 def ratio(r, c, j, rnd, k):
@@ -117,12 +119,12 @@ if many:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | lookup wait for the lock | journal write |")
-print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:
         print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
-              f"{r['ckpt']} | {r['wait']} | {r['jw']} |")
+              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
 if os.path.exists(pf):

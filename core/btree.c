@@ -894,7 +894,7 @@ btree_load_evicted (struct bcf_cache *c, const struct ckey *key)
   keyset_init (&tmp.open, true);
   r = btree_node_read (c, &tmp, err, sizeof err);
 
-  pthread_rwlock_wrlock (&c->tree_lock);
+  tree_wrlock (c);
   n = hash_find (c, key);
   if (n && n->evicted) {
     if (r == 0) {
@@ -911,7 +911,7 @@ btree_load_evicted (struct bcf_cache *c, const struct ckey *key)
   }
   else
     r = 0;                    /* loaded or freed meanwhile: just retry */
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock (c);
   keyset_free (&tmp.keys);
   keyset_free (&tmp.open);
   return r;
@@ -972,9 +972,9 @@ btree_evict_maybe (struct bcf_cache *c)
   pthread_rwlock_unlock (&c->tree_lock);
   if (!over)
     return;
-  pthread_rwlock_wrlock (&c->tree_lock);
+  tree_wrlock (c);
   btree_evict_locked (c);
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock (c);
 }
 
 void
@@ -1494,11 +1494,9 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
           unsigned *root_level, uint64_t *last_seq, uint64_t *epoch,
           uint64_t *export_changes)
 {
-  uint64_t t0;
   int r;
 
-  pthread_rwlock_wrlock (&c->tree_lock);
-  t0 = bcf_now_ns ();
+  tree_wrlock (c);
   /* From the first open set taken until this checkpoint commits, a
    * removal that is in no open set may still be undurable (see
    * tree.ckpt_uncommitted). */
@@ -1538,8 +1536,7 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
     *export_changes = export_changes_now (c);
     c->tree.leaf_inserts_captured = c->tree.leaf_inserts;
   }
-  bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t0);
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock_into (c, &c->stats.ckpt_locked);
   return r;
 }
 
@@ -1556,7 +1553,7 @@ btree_checkpoint (struct bcf_cache *c)
   struct ckpt ck = { 0 };
   struct ckey root = { 0 };
   unsigned root_level = 0, level;
-  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns (), t1, changes = 0;
+  uint64_t last_seq = 0, epoch = 0, t0 = bcf_now_ns (), changes = 0;
   size_t i, j;
   int r, tries = 0;
 
@@ -1644,8 +1641,7 @@ btree_checkpoint (struct bcf_cache *c)
   }
 
   /* Phase 4: buckets freed before this snapshot are unreachable now. */
-  pthread_rwlock_wrlock (&c->tree_lock);
-  t1 = bcf_now_ns ();
+  tree_wrlock (c);
   for (i = j = 0; i < c->tree.ndead; i++) {
     if (c->tree.dead[i].epoch <= epoch)
       alloc_release_meta (c, c->tree.dead[i].bucket);
@@ -1656,8 +1652,7 @@ btree_checkpoint (struct bcf_cache *c)
   c->tree.ckpt_uncommitted = false;   /* committed: all it took is durable */
   atomic_store (&c->ckpt_begun_ns, t0);
   btree_evict_locked (c);
-  bcf_time_record (c, &c->stats.ckpt_locked, bcf_now_ns () - t1);
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock_into (c, &c->stats.ckpt_locked);
   bcf_time_record (c, &c->stats.checkpoint, bcf_now_ns () - t0);
   atomic_store (&c->ckpt_done_ns, bcf_now_ns ());
   return 0;

@@ -568,6 +568,8 @@ struct bcf_cache {
   uint64_t uuid_bucket;           /* bucket holding the uuid array */
 
   pthread_rwlock_t tree_lock;
+  uint64_t tree_locked_ns;        /* when the writer holding tree_lock took
+                                     it (tree_wrlock; only it touches it) */
   pthread_mutex_t ckpt_lock;
   struct btree tree;
   struct alloc_state alloc;
@@ -646,6 +648,9 @@ struct bcf_cache {
     /* Each hold of tree_lock for writing by a GC slice; the wait of a
      * lookup that found tree_lock taken. */
     struct bcf_time_stat gc_slice_locked, lookup_lock_wait;
+    /* Each other hold of tree_lock for writing (tree_wrunlock): inserts,
+     * replaces, clean marks, intent marks, node loads and evictions. */
+    struct bcf_time_stat update_locked;
     atomic_uint_fast64_t gc_slice_nodes_last, gc_slice_nodes_max;
     atomic_uint_fast64_t gc_slices_busy;
     pthread_mutex_t time_lock;
@@ -670,6 +675,33 @@ static inline void
 bcf_time_record (struct bcf_cache *c, struct bcf_time_stat *t, uint64_t ns)
 {
   bcf_time_stat_add (t, &c->stats.time_lock, ns);
+}
+
+/* tree_lock for writing, every hold timed: a lookup that waited long
+ * (lookup_lock_wait) can then be matched to the kind of holder that made
+ * it wait.  tree_wrunlock_into records the hold in the given stat (a GC
+ * slice, a checkpoint), tree_wrunlock in update_locked (every other
+ * writer).  The time of taking lives in the cache: only the writer that
+ * holds the lock touches it.  The cost is two clock reads per hold
+ * (~0.4 us here), against the 100-200 us a request costs the front end. */
+static inline void
+tree_wrlock (struct bcf_cache *c)
+{
+  pthread_rwlock_wrlock (&c->tree_lock);
+  c->tree_locked_ns = bcf_now_ns ();
+}
+
+static inline void
+tree_wrunlock_into (struct bcf_cache *c, struct bcf_time_stat *t)
+{
+  bcf_time_record (c, t, bcf_now_ns () - c->tree_locked_ns);
+  pthread_rwlock_unlock (&c->tree_lock);
+}
+
+static inline void
+tree_wrunlock (struct bcf_cache *c)
+{
+  tree_wrunlock_into (c, &c->stats.update_locked);
 }
 
 /* Foreground requests in flight now (the sum of the shards; a snapshot,

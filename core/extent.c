@@ -210,9 +210,9 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
     bool journal = how == JOURNAL_ALWAYS, removes = false;
     int r;
 
-    pthread_rwlock_wrlock (&c->tree_lock);
+    tree_wrlock (c);
     if (!btree_range_loaded (c, ckey_inode (k), ks, ke, &need)) {
-      pthread_rwlock_unlock (&c->tree_lock);
+      tree_wrunlock (c);
       if ((r = btree_load_evicted (c, &need)) < 0)
         return r;
       continue;
@@ -220,7 +220,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
     if ((expect && !btree_range_matches_locked (c, k, expect)) ||
         (how == JOURNAL_NEVER &&
          btree_range_dirty_locked (c, c->inode, ks, ke))) {
-      pthread_rwlock_unlock (&c->tree_lock);
+      tree_wrunlock (c);
       return -EEXIST;
     }
     if (how == JOURNAL_ALWAYS && d && d->marked &&
@@ -251,7 +251,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
     if (journal) {
       s = journal_add_key_locked (c, k);
       if (s == 0) {
-        pthread_rwlock_unlock (&c->tree_lock);
+        tree_wrunlock (c);
         if ((r = journal_make_room (c)) < 0)
           return r;
         continue;
@@ -262,7 +262,7 @@ insert_key (struct bcf_cache *c, const struct ckey *k, enum journal_how how,
     r = btree_insert_locked (c, k, s);
     if (r == 0 && s && removes)
       btree_note_removal_locked (c, ckey_inode (k), ks, ke, s);
-    pthread_rwlock_unlock (&c->tree_lock);
+    tree_wrunlock (c);
     return r;
   }
 }
@@ -312,18 +312,18 @@ replace_key (struct bcf_cache *c, const struct ckey *k,
   for (;;) {
     int r;
 
-    pthread_rwlock_wrlock (&c->tree_lock);
+    tree_wrlock (c);
     r = btree_replace_locked (c, k, expect);
     if (r == -ENODATA) {
       struct ckey need;
       bool loaded = btree_range_loaded (c, ckey_inode (k), ckey_start (k),
                                         ckey_end (k), &need);
-      pthread_rwlock_unlock (&c->tree_lock);
+      tree_wrunlock (c);
       if (!loaded && (r = btree_load_evicted (c, &need)) < 0)
         return r;
       continue;
     }
-    pthread_rwlock_unlock (&c->tree_lock);
+    tree_wrunlock (c);
     return r;
   }
 }
@@ -1019,13 +1019,13 @@ bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w)
 {
   int64_t cleaned = 0;
 
-  pthread_rwlock_wrlock (&c->tree_lock);
+  tree_wrlock (c);
   for (unsigned i = 0; i < w->npieces && cleaned >= 0; i++) {
     struct ckey k = write_piece (c, w, i, true);
     int64_t n = btree_mark_clean_locked (c, &k);
     cleaned = n < 0 ? n : cleaned + n;
   }
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock (c);
   return cleaned < 0 ? cleaned : cleaned << BCH_SECTOR_SHIFT;
 }
 
@@ -1290,9 +1290,9 @@ bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e)
   struct ckey k = dirty_key_of (c, e);
   int64_t n;
 
-  pthread_rwlock_wrlock (&c->tree_lock);
+  tree_wrlock (c);
   n = btree_mark_clean_locked (c, &k);
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock (c);
   return n < 0 ? n : n << BCH_SECTOR_SHIFT;
 }
 

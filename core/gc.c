@@ -368,11 +368,10 @@ gc_pass (struct bcf_cache *c, bool pace)
   while (!done && r == 0) {
     unsigned budget;
 
-    uint64_t nodes0 = p.nodes, t_lock;
+    uint64_t nodes0 = p.nodes;
     bool busy;
 
-    pthread_rwlock_wrlock (&c->tree_lock);
-    t_lock = bcf_now_ns ();
+    tree_wrlock (c);
     budget = slice_budget (c, &busy);
     for (unsigned k = 0; k < budget && !done && r == 0; k++) {
       struct btree_node *n = btree_find_leaf (c, inode, pos + 1);
@@ -383,12 +382,9 @@ gc_pass (struct bcf_cache *c, bool pace)
       if (n->evicted) {
         /* Marking needs the keys: read the leaf back (no lock held). */
         struct ckey need = n->key;
-        bcf_time_record (c, &c->stats.gc_slice_locked,
-                         bcf_now_ns () - t_lock);
-        pthread_rwlock_unlock (&c->tree_lock);
+        tree_wrunlock_into (c, &c->stats.gc_slice_locked);
         r = btree_load_evicted (c, &need);
-        pthread_rwlock_wrlock (&c->tree_lock);
-        t_lock = bcf_now_ns ();
+        tree_wrlock (c);
         continue;
       }
       /* Sparse neighbours become one node before marking, so each key
@@ -410,8 +406,7 @@ gc_pass (struct bcf_cache *c, bool pace)
         pos = ckey_end (&n->key);
       }
     }
-    bcf_time_record (c, &c->stats.gc_slice_locked, bcf_now_ns () - t_lock);
-    pthread_rwlock_unlock (&c->tree_lock);
+    tree_wrunlock_into (c, &c->stats.gc_slice_locked);
     atomic_fetch_add (&c->stats.gc_slices, 1);
     note_slice (c, p.nodes - nodes0, busy);
     if (c->gc.slice_hook)

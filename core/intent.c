@@ -178,16 +178,16 @@ insert_mark (struct bcf_cache *c, uint64_t index, bool set, uint64_t *seq)
     uint64_t s;
     int r;
 
-    pthread_rwlock_wrlock (&c->tree_lock);
+    tree_wrlock (c);
     s = journal_add_key_locked (c, &k);
     if (s == 0) {
-      pthread_rwlock_unlock (&c->tree_lock);
+      tree_wrunlock (c);
       if ((r = journal_make_room (c)) < 0)
         return r;
       continue;
     }
     r = btree_insert_locked (c, &k, s);
-    pthread_rwlock_unlock (&c->tree_lock);
+    tree_wrunlock (c);
     if (r == -ENODATA) {
       struct ckey need;
       bool loaded;

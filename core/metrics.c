@@ -261,6 +261,9 @@ struct getter {
      "lock lasted.")                                                        \
   X (lookup_lock_wait, TIME, NS, ENGINE, 0, TIME (cache.lookup_lock_wait),  \
      N_CACHE, "How long lookups that found the index lock taken waited.")   \
+  X (update_locked, TIME, NS, ENGINE, 0, TIME (cache.update_locked),        \
+     N_CACHE, "How long each other hold of the index lock for writing "     \
+     "lasted (inserts, replaces, clean marks, node loads).")                \
   X (tracker_bytes, GAUGE, BYTES, ENGINE, 0, U64 (req.bypass_bytes_now),    \
      N_REQ, "Memory of the in-flight write tracker now.")                   \
   X (tracker_peak_bytes, GAUGE, BYTES, ENGINE, 0,                           \

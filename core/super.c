@@ -736,9 +736,9 @@ replay_one (struct bcf_cache *c, const struct ckey *k, uint64_t seq,
 {
   int r;
 
-  pthread_rwlock_wrlock (&c->tree_lock);
+  tree_wrlock (c);
   r = btree_insert_locked (c, k, seq);
-  pthread_rwlock_unlock (&c->tree_lock);
+  tree_wrunlock (c);
   return r;
 }
 

@@ -526,8 +526,11 @@ struct bcf_cache_stats {
   /* How long the btree lock was held for writing: by each GC slice, and
    * by each of a checkpoint's two holds (the snapshot, the release of
    * dead buckets); and how long a foreground lookup that found it taken
-   * waited for it (uncontended lookups are not timed). */
+   * waited for it (uncontended lookups are not timed).  update_locked:
+   * each other hold for writing (inserts, replaces, clean marks, intent
+   * marks, loads and evictions of nodes). */
   struct bcf_time_stat gc_slice_locked, ckpt_locked, lookup_lock_wait;
+  struct bcf_time_stat update_locked;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
   /* Nodes walked by the last GC slice, the most by any slice, and the
    * slices cut to the minimum because foreground requests were in flight

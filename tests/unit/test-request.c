@@ -1507,6 +1507,9 @@ START_TEST (gc_slices_shrink_under_load)
   f.c->gc.idle_div = 4;
   bcf_cache_stats (f.c, &st0);
   ck_assert_uint_ge (st0.btree_nodes, 12);  /* idle slices of >= 3 nodes */
+  /* Each insert's hold of the lock is timed with the other writers'. */
+  ck_assert_uint_ge (st0.update_locked.count, 10000);
+  ck_assert_uint_eq (st0.gc_slice_locked.count, 0);
   ck_assert_uint_eq (st0.requests_in_flight, 0);
 
   /* Loaded: a read miss parked before its backing read. */
