@@ -13,19 +13,20 @@
 #   for the filter, a fresh cache.
 #
 #   baseline  fio alone against the remote, BASE_SECONDS each:
-#             sequential writes of WB_BS at QD1, and random 4 KiB writes
-#             at QD1 and QD16.  WB_BS is the most the writeback sends in
-#             one backing write (RUN_MAX_BYTES in core/writeback.c, read
-#             from the source: 4 MiB), and QD1 because the writeback
-#             thread has one backing write in flight at a time: for each
-#             batch (one scan of at most 64 dirty extents, cut into at
-#             most 16 runs of contiguous extents, 16 MiB) it reads a run
-#             from the cache, writes it to the export and waits for it,
-#             then the next run, then flushes the export once for the
-#             batch.  So sequential WB_BS at QD1 is the best the
-#             writeback could do on this export, and the reference of
-#             target 1 ("idle writeback drains at >= 0.8x the export's
-#             sequential write speed measured by fio alone").  fio issues
+#             sequential writes of WB_BS at QD1 and at WB_QD, and random
+#             4 KiB writes at QD1 and QD16.  WB_BS is the most the
+#             writeback sends in one backing write (RUN_MAX_BYTES in
+#             core/writeback.c, read from the source: 4 MiB), WB_QD the
+#             most backing writes it has in flight (WRITERS there: 4):
+#             for each batch (one scan of at most 64 dirty extents, cut
+#             into at most 16 runs of contiguous extents, 16 MiB) its
+#             writers read runs from the cache and write them to the
+#             export, up to WB_QD at once, then it flushes the export
+#             once for the batch.  The faster of the two sequential
+#             figures is the reference of target 1 ("idle writeback
+#             drains at >= 0.8x the export's sequential write speed
+#             measured by fio alone"): the export's speed, not fio's at
+#             one depth.  fio issues
 #             no flushes (the memory plugin's flush costs nothing).  The
 #             same job through nbdkit's nbd plugin (a pass-through proxy,
 #             the filter's own way to the export) shows what that hop
@@ -62,10 +63,11 @@
 #             A shared host's speed drifts between phases, so each drain
 #             also has its own references, measured in the same minutes:
 #             fio alone on a second fresh remote (same configuration),
-#             sequential WB_BS writes at QD1 and random 4 KiB writes at
-#             QD1, BASE_SECONDS each, once while the script waits for the
-#             idle boost and once right after the drain; target 1's ratio
-#             is the drain over the mean of the two sequential figures.
+#             sequential WB_BS writes at QD1 and at WB_QD and random 4 KiB
+#             writes at QD1, BASE_SECONDS each, once while the script
+#             waits for the idle boost and once right after the drain;
+#             target 1's ratio is the drain over the mean of the two
+#             sequential figures at the depth that was faster.
 #             Afterwards fio --verify_only reads the remote directly: it
 #             must hold exactly what was written.  The table gives the
 #             writeback's counters over the drain (keys done and failed),
@@ -93,12 +95,12 @@
 #             writeback wrote nothing (writeback_delay after a pass).
 #             RATE_IOPS defaults to RATE_SHARE (40) % of the export's
 #             random 4 KiB write IOPS at the depth RATE_BASIS names: qd1
-#             (the default), because the writeback writes random 4 KiB
-#             keys back one at a time, so QD1 is the export's speed for
-#             the writeback; with qd16 the load is below the export's
-#             speed for fio but several times what the writeback can
-#             write back to a 1 ms remote, and dirty data climbs to the
-#             cutoff instead.  Why the pre-fill: bcache's controller
+#             (the default: a load the writeback keeps up with even
+#             with one backing write in flight, as it had until
+#             WRITERS); with qd16 the load is below the export's speed
+#             for fio but several times what the writeback can write
+#             back to a 1 ms remote with WRITERS writes in flight, and
+#             dirty data climbs to the cutoff instead.  Why the pre-fill: bcache's controller
 #             (p_term_inverse 40) holds dirty data about 40 s of the load
 #             above the target until its integral term, which needs
 #             hundreds of seconds, takes over.  A load small enough for
@@ -130,6 +132,8 @@
 #   BASE_SECONDS    each baseline job against the remote (default 10)
 #   WB_BS           the baseline's sequential write size (default
 #                   RUN_MAX_BYTES of core/writeback.c)
+#   WB_QD           the baseline's second sequential depth (default
+#                   WRITERS of core/writeback.c)
 #   SEQ_BS          the sequential drain's fill write size (default 1M)
 #   POLL            drain sampling interval, seconds (default 0.2)
 #   DRAIN_TIMEOUT   seconds a drain may take before it counts as failed
@@ -225,6 +229,10 @@ run_max_bytes() {
     if [[ -n $v ]]; then echo $(( v )); else echo $(( 4 * MIB )); fi
 }
 WB_BS=${WB_BS:-$(run_max_bytes)}
+# The most backing writes the writeback has in flight, likewise.
+WB_QD=${WB_QD:-$(sed -n 's/^#define WRITERS *\([0-9]*\).*/\1/p' \
+    "$HERE/core/writeback.c")}
+WB_QD=${WB_QD:-1}
 # bcache's p_term_inverse: the proportional term retires the excess over
 # the target in this many seconds.
 P_TERM_INVERSE=$(sed -n 's/^#define BCF_WB_P_TERM_INVERSE *\([0-9]*\).*/\1/p' \
@@ -329,6 +337,11 @@ if has_phase baseline; then
         --bs="$WB_BS" --iodepth=1 --size="$SIZE_BYTES" \
         --runtime="$BASE_SECONDS"
     stop_pid "$REMOTE_PID"
+    start_remote baseline-seqqd
+    run_fio base-seqqd "$RSOCK" "$OUTDIR/base-seqqd.json" --rw=write \
+        --bs="$WB_BS" --iodepth="$WB_QD" --size="$SIZE_BYTES" \
+        --runtime="$BASE_SECONDS"
+    stop_pid "$REMOTE_PID"
     # The same through nbdkit's nbd plugin, the filter's way to the
     # export, on a fresh remote: what the hop alone costs.
     start_remote baseline-proxy
@@ -366,6 +379,7 @@ j = lambda n, rw="write": json.load(open(f"{d}/{n}.json"))["jobs"][0][rw]  # noq
 print(json.dumps(dict(
     wb_bs=int(sys.argv[2]),
     seq_mib_s=j("base-seq")["bw_bytes"] / 1048576,
+    seqqd_mib_s=j("base-seqqd")["bw_bytes"] / 1048576,
     seq_remote_ms=1000.0 * w[2] / max(1, w[0]),
     seq_fio_ms=j("base-seq")["clat_ns"]["mean"] / 1e6,
     seq_proxy_mib_s=j("base-seq-proxy")["bw_bytes"] / 1048576,
@@ -375,6 +389,7 @@ print(json.dumps(dict(
     dev_rand_iops=j("base-dev-rand", "read")["iops"]), indent=1))
 EOF
     say "baseline: sequential $(numfmt --to=iec "$WB_BS") QD1 $(jget "$BASE" seq_mib_s | xargs printf %.1f) MiB/s," \
+        "QD$WB_QD $(jget "$BASE" seqqd_mib_s | xargs printf %.1f) MiB/s," \
         "random 4k QD1 $(jget "$BASE" rand_qd1_iops | xargs printf %.0f) IOPS," \
         "QD16 $(jget "$BASE" rand_qd16_iops | xargs printf %.0f) IOPS;" \
         "cache device reads $(jget "$BASE" dev_seq_mib_s | xargs printf %.0f) MiB/s (512k)," \
@@ -385,18 +400,19 @@ fi
 # near_base VARIANT WHEN: the references of one drain measured within the
 # same minute, since a shared host's speed drifts between phases: fio
 # alone on a second fresh remote (same configuration, its own socket),
-# sequential WB_BS writes at QD1 and random 4 KiB writes at QD1, into
-# near.VARIANT.{seq,rand}.WHEN.json.
+# sequential WB_BS writes at QD1 and at WB_QD and random 4 KiB writes at
+# QD1, into near.VARIANT.{seq,seqqd,rand}.WHEN.json.
 near_base() {
     local v=$1 when=$2 j pid main=$REMOTE_PID
-    for j in seq rand; do
+    for j in seq seqqd rand; do
         start_remote "near-$v-$j-$when" "$WORKDIR/remote2.sock"
         pid=$REMOTE_PID
         REMOTE_PID=$main
-        if [[ $j == seq ]]; then
+        if [[ $j == seq* ]]; then
             run_fio "near-$j" "$WORKDIR/remote2.sock" \
                 "$OUTDIR/near.$v.$j.$when.json" --rw=write --bs="$WB_BS" \
-                --iodepth=1 --size="$SIZE_BYTES" --runtime="$BASE_SECONDS"
+                --iodepth="$([[ $j == seq ]] && echo 1 || echo "$WB_QD")" \
+                --size="$SIZE_BYTES" --runtime="$BASE_SECONDS"
         else
             run_fio "near-$j" "$WORKDIR/remote2.sock" \
                 "$OUTDIR/near.$v.$j.$when.json" --rw=randwrite --bs=4k \

@@ -15,6 +15,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -344,6 +345,75 @@ START_TEST (writeback_journals_before_backing_write)
   check_read (&f, off, new, sizeof new, "after a crash that followed the "
               "writeback (the cache must not serve data older than the "
               "export)");
+  fx_free (&f);
+}
+END_TEST
+
+struct wb_call {
+  struct fx *f;
+  int rc;
+};
+
+static void *
+writeback_call (void *arg)
+{
+  struct wb_call *w = arg;
+
+  w->rc = bcf_req_writeback (w->f->r, &w->f->b);
+  return NULL;
+}
+
+/* The runs of a batch are written back with more than one backing write
+ * in flight (writeback.c's writers), and still nothing is marked clean
+ * before the batch's backing flush: run A parked in its backing write,
+ * run B's write must reach the backing store meanwhile, and both stay
+ * dirty and unflushed until A finishes. */
+START_TEST (writeback_writes_in_parallel)
+{
+  struct fx f;
+  static uint8_t a[16384], b[16384], got[16384];
+  const uint64_t off_a = 3 * MiB, off_b = 40 * MiB;
+  struct mem_backing_stats ms0, ms;
+  struct mem_backing_gate *g;
+  struct bcf_req_stats rs;
+  struct wb_call w;
+  pthread_t t;
+  bool b_arrived = false;
+
+  fx_init (&f, "parallel.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  memset (a, 0xa1, sizeof a);
+  memset (b, 0xb2, sizeof b);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, off_a, false), 0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, b, sizeof b, off_b, false), 0);
+  mem_backing_get_stats (f.mb, &ms0);
+  g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                            off_a, sizeof a);
+  w = (struct wb_call) { .f = &f };
+  ck_assert_int_eq (pthread_create (&t, NULL, writeback_call, &w), 0);
+  ck_assert_msg (mem_backing_gate_wait_hit (g, 10000),
+                 "run A's backing write never came");
+  for (unsigned i = 0; i < 1000 && !b_arrived; i++) {
+    mem_backing_peek (f.mb, got, sizeof got, off_b);
+    b_arrived = memcmp (got, b, sizeof b) == 0;
+    if (!b_arrived)
+      usleep (10000);
+  }
+  mem_backing_get_stats (f.mb, &ms);
+  bcf_req_get_stats (f.r, &rs);
+  mem_backing_gate_release (g);
+  pthread_join (t, NULL);
+  ck_assert_msg (b_arrived, "run B's backing write waited for run A's: one "
+                 "backing write in flight at a time");
+  ck_assert_msg (ms.flushes == ms0.flushes, "the backing store was flushed "
+                 "before every write of the batch was done");
+  ck_assert_msg (rs.dirty_bytes == sizeof a + sizeof b, "%" PRIu64 " bytes "
+                 "dirty while a write of the batch was in flight: marked "
+                 "clean before the batch's flush", rs.dirty_bytes);
+  ck_assert_int_eq (w.rc, 0);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.dirty_bytes, 0);
+  check_backing (&f, off_a, a, sizeof a, "run A written back");
+  check_backing (&f, off_b, b, sizeof b, "run B written back");
   fx_free (&f);
 }
 END_TEST
@@ -724,6 +794,7 @@ writeback_suite (void)
   ADD (flushed_writes_survive_a_crash);
   ADD (writeback_journals_before_backing_write);
   ADD (writeback_thread_and_flush);
+  ADD (writeback_writes_in_parallel);
   ADD (rate_controller);
   ADD (delay_only_after_whole_index);
   ADD (cutoff_writes_through);
