@@ -71,8 +71,9 @@ for c, j, name, rnd in rows:
                         ("ckpt", "checkpoint_locked"),
                         ("wait", "lookup_lock_wait"),
                         ("upd", "update_locked"),
+                        ("mark", "intent_mark"),
                         ("jw", "journal_write")):
-            # (update_locked is newer than some saved runs.)
+            # (update_locked, intent_mark are newer than some saved runs.)
             r[k] = in_run(e[stat], e0[stat]) if stat in e else "–"
     res[(c, j, int(rnd))] = r
 
@@ -119,12 +120,12 @@ if many:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write |")
-print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | intent mark |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:
         print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
-              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} |")
+              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} | {r['mark']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
 if os.path.exists(pf):

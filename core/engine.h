@@ -651,6 +651,9 @@ struct bcf_cache {
     /* Each other hold of tree_lock for writing (tree_wrunlock): inserts,
      * replaces, clean marks, intent marks, node loads and evictions. */
     struct bcf_time_stat update_locked;
+    /* Each write-intent region made durably marked (intent.c's
+     * region_enter): what the write that needed it waited. */
+    struct bcf_time_stat intent_mark;
     atomic_uint_fast64_t gc_slice_nodes_last, gc_slice_nodes_max;
     atomic_uint_fast64_t gc_slices_busy;
     pthread_mutex_t time_lock;

@@ -253,7 +253,7 @@ region_enter (struct bcf_cache *c, uint64_t index)
 {
   struct intent *in = &c->intent;
   struct region *r;
-  uint64_t seq;
+  uint64_t seq, t0;
   int e;
 
   pthread_mutex_lock (&in->lock);
@@ -279,11 +279,13 @@ region_enter (struct bcf_cache *c, uint64_t index)
   in->nregions++;
   pthread_mutex_unlock (&in->lock);
 
+  t0 = bcf_now_ns ();
   e = sb_on (c);
   if (e == 0)
     e = insert_mark (c, index, true, &seq);
   if (e == 0)
     e = journal_flush_seq (c, seq);
+  bcf_time_record (c, &c->stats.intent_mark, bcf_now_ns () - t0);
 
   pthread_mutex_lock (&in->lock);
   if (e == 0) {

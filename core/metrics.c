@@ -264,6 +264,9 @@ struct getter {
   X (update_locked, TIME, NS, ENGINE, 0, TIME (cache.update_locked),        \
      N_CACHE, "How long each other hold of the index lock for writing "     \
      "lasted (inserts, replaces, clean marks, node loads).")                \
+  X (intent_mark, TIME, NS, ENGINE, 0, TIME (cache.intent_mark), N_CACHE,   \
+     "How long marking a write-intent region durably took (the write "      \
+     "that needed it waited).")                                             \
   X (tracker_bytes, GAUGE, BYTES, ENGINE, 0, U64 (req.bypass_bytes_now),    \
      N_REQ, "Memory of the in-flight write tracker now.")                   \
   X (tracker_peak_bytes, GAUGE, BYTES, ENGINE, 0,                           \

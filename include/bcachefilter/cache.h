@@ -531,6 +531,10 @@ struct bcf_cache_stats {
    * marks, loads and evictions of nodes). */
   struct bcf_time_stat gc_slice_locked, ckpt_locked, lookup_lock_wait;
   struct bcf_time_stat update_locked;
+  /* Each write-intent region marked: the time until the mark was durable
+   * (the superblock's feature bit when it was off, the mark's journal
+   * write), which the write that needed it waited. */
+  struct bcf_time_stat intent_mark;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
   /* Nodes walked by the last GC slice, the most by any slice, and the
    * slices cut to the minimum because foreground requests were in flight

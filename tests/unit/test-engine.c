@@ -362,14 +362,19 @@ START_TEST (test_intent_feature_bit)
   ck_assert_uint_eq (version, BCACHE_SB_VERSION_CDEV_WITH_UUID);
 
   for (int round = 0; round < 2; round++) {
+    struct bcf_cache_stats st0, st;
+
     /* Cached data, then a write over it: ordered, so it marks.  (The
      * clean copy the last round left comes back dirty until a checkpoint
      * writes it, and over that the mark does not stand in.) */
     ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
     ck_assert_int_eq (bcf_insert (f.c, 0, 65536, data, false, true), 0);
     memset (data, 0x11 + round, 65536);
+    bcf_cache_stats (f.c, &st0);
     ck_assert_int_eq (bcf_write_begin (f.c, 0, 65536, data, &w), 0);
     ck_assert (w.intent);
+    bcf_cache_stats (f.c, &st);
+    ck_assert_uint_eq (st.intent_mark.count, st0.intent_mark.count + 1);
     ck_assert_msg (disk_intent_bit (f.path, &version),
                    "round %d: a region is marked, the superblock on disk "
                    "has no write-intent bit", round);
