@@ -40,6 +40,7 @@ cache_free (struct bcf_cache *c)
   intent_free (c);
   pthread_rwlock_destroy (&c->tree_lock);
   pthread_mutex_destroy (&c->ckpt_lock);
+  pthread_mutex_destroy (&c->super_lock);
   pthread_mutex_destroy (&c->export_lock);
   pthread_mutex_destroy (&c->stats.time_lock);
   bcf_stats_free (c->counters);
@@ -74,6 +75,7 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
   c->backing_sectors = (uint64_t) size >> BCH_SECTOR_SHIFT;
   pthread_rwlock_init (&c->tree_lock, NULL);
   pthread_mutex_init (&c->ckpt_lock, NULL);
+  pthread_mutex_init (&c->super_lock, NULL);
   pthread_mutex_init (&c->export_lock, NULL);
   pthread_mutex_init (&c->stats.time_lock, NULL);
   /* Counted from 0: a process that ends cleanly leaves nothing

@@ -26,6 +26,14 @@
  *                           write metadata and then a journal entry that
  *                           points at it); held across I/O, taken before
  *                           any of the above.
+ *   super_lock (mutex)      the superblock's changes while open (the
+ *                           write-intent bit, abandon) and their writes;
+ *                           held across that write, taken inside
+ *                           ckpt_lock or intent.sb_lock, never around
+ *                           another lock.  Not ckpt_lock: the bit's
+ *                           write must not wait for a checkpoint's I/O
+ *                           (every write into an unmarked region waits
+ *                           for the bit).
  *   stats                   atomics; the time stats under
  *                           stats.time_lock (a leaf lock).
  *   inflight                sharded atomics (request.c counts, GC reads).
@@ -571,6 +579,7 @@ struct bcf_cache {
   uint64_t tree_locked_ns;        /* when the writer holding tree_lock took
                                      it (tree_wrlock; only it touches it) */
   pthread_mutex_t ckpt_lock;
+  pthread_mutex_t super_lock;
   struct btree tree;
   struct alloc_state alloc;
   struct journal journal;

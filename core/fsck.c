@@ -240,9 +240,9 @@ bcf_cache_fsck (struct bcf_cache *c, char *report, size_t len)
     return -1;
   /* Before the walk: the bit is set before a mark goes in, and cleared
    * only after the last one is gone (intent.c). */
-  pthread_mutex_lock (&c->ckpt_lock);
+  pthread_mutex_lock (&c->super_lock);
   intent_bit = c->sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT;
-  pthread_mutex_unlock (&c->ckpt_lock);
+  pthread_mutex_unlock (&c->super_lock);
   /* Set once by the open. */
   if (c->journal.skipped[0] && c->journal.ncorrupt)
     problem (&f, "journal: %s", c->journal.skipped);

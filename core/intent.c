@@ -65,8 +65,9 @@
  * Locking: intent.lock guards the region table (a small hash of the
  * marked regions); it is taken inside no other lock and held across no
  * I/O.  sb_lock serialises the superblock bit's changes and is held
- * across that write (it takes ckpt_lock inside, as the other superblock
- * writer does); it is never taken with intent.lock held.  Setting or clearing a mark (a key insert, and for a set a
+ * across that write (it takes the engine's super_lock inside, never
+ * ckpt_lock: the bit's write does not wait for a checkpoint's I/O); it
+ * is never taken with intent.lock held.  Setting or clearing a mark (a key insert, and for a set a
  * journal wait) happens with it released, with the region in a
  * MARKING / CLEARING state that makes other writers wait on intent.cond,
  * so the journal's order of set and clear is the order of the state

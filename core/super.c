@@ -306,7 +306,7 @@ write_super (struct bcf_cache *c)
   return r;
 }
 
-/* Under ckpt_lock, which serialises the superblock's writers. */
+/* Under super_lock, which serialises the superblock's writers. */
 static int
 set_write_intent_locked (struct bcf_cache *c, bool on)
 {
@@ -338,9 +338,9 @@ super_set_write_intent (struct bcf_cache *c, bool on)
 {
   int r;
 
-  pthread_mutex_lock (&c->ckpt_lock);
+  pthread_mutex_lock (&c->super_lock);
   r = set_write_intent_locked (c, on);
-  pthread_mutex_unlock (&c->ckpt_lock);
+  pthread_mutex_unlock (&c->super_lock);
   return r;
 }
 
@@ -357,9 +357,14 @@ super_set_write_intent (struct bcf_cache *c, bool on)
 int
 super_abandon (struct bcf_cache *c)
 {
+  int r;
+
+  pthread_mutex_lock (&c->super_lock);
   c->sb.flags &= ~BCH_CACHE_SYNC;
   random_bytes (c->sb.set_uuid, 16);
-  return write_super (c);
+  r = write_super (c);
+  pthread_mutex_unlock (&c->super_lock);
+  return r;
 }
 
 /* ---- uuids ------------------------------------------------------------------ */
@@ -942,7 +947,7 @@ open_existing (struct bcf_cache *c, bool *foreign, bool *detached, char *err,
       /* The marks' clears are committed: no kernel need refuse it now
        * (intent.c). */
       ((c->sb.feature_incompat & BCF_FEATURE_INCOMPAT_WRITE_INTENT) &&
-       (r = set_write_intent_locked (c, false)) < 0)) {
+       (r = super_set_write_intent (c, false)) < 0)) {
     snprintf (err, errlen, "opening %s: writing metadata: %s",
               bcf_io_path (c->io), strerror (-r));
     return r;

@@ -417,6 +417,73 @@ START_TEST (test_intent_feature_bit)
 }
 END_TEST
 
+struct mark_call {
+  struct bcf_cache *c;
+  const uint8_t *data;
+  atomic_bool done;
+  int rc;
+  bool intent;
+};
+
+static void *
+mark_call (void *arg)
+{
+  struct mark_call *m = arg;
+  struct bcf_write w;
+
+  m->rc = bcf_write_begin (m->c, 0, 65536, m->data, &w);
+  if (m->rc == 0) {
+    m->intent = w.intent;
+    bcf_write_release (m->c, &w);
+  }
+  atomic_store (&m->done, true);
+  return NULL;
+}
+
+/* The write-intent bit's superblock write must not wait for a
+ * checkpoint: every write into an unmarked region waits for the bit, and
+ * a checkpoint holds ckpt_lock across its node writes (up to 608 ms in
+ * bench/gc-stall.sh at 1M keys, where writes took up to 100 ms when a
+ * run began with every region unmarked).  The test holds ckpt_lock as a
+ * checkpoint in its I/O would, and a write over cached data needs the
+ * bit: it must get its mark meanwhile. */
+START_TEST (test_intent_bit_not_behind_checkpoint)
+{
+  struct fixture f;
+  struct mark_call m = { 0 };
+  uint8_t *data = calloc (1, 65536);
+  uint64_t version;
+  pthread_t t;
+  bool done = false;
+
+  fixture_init (&f, "intentckpt.img", 16 << 20, 64 << 20, 256);
+  fixture_open (&f);
+  ck_assert_int_eq (bcf_insert (f.c, 0, 65536, data, false, true), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  ck_assert (!disk_intent_bit (f.path, &version));
+  memset (data, 0x5c, 65536);
+  m = (struct mark_call) { .c = f.c, .data = data };
+
+  pthread_mutex_lock (&f.c->ckpt_lock);          /* a checkpoint's I/O */
+  ck_assert_int_eq (pthread_create (&t, NULL, mark_call, &m), 0);
+  for (unsigned i = 0; i < 1000 && !done; i++) {
+    done = atomic_load (&m.done);
+    if (!done)
+      usleep (10000);
+  }
+  pthread_mutex_unlock (&f.c->ckpt_lock);
+  pthread_join (t, NULL);
+  ck_assert_msg (done, "a write into an unmarked region waited for a "
+                 "checkpoint in progress (the write-intent bit's "
+                 "superblock write takes ckpt_lock)");
+  ck_assert_int_eq (m.rc, 0);
+  ck_assert (m.intent);
+  ck_assert (disk_intent_bit (f.path, &version));
+  free (data);
+  fixture_free (&f);
+}
+END_TEST
+
 /* Write-intent recovery must see every mark and every clean key of a
  * marked region, whether or not their leaves are in memory.  An open
  * after a crash that left the journal tight commits the replayed tree
@@ -2112,6 +2179,8 @@ engine_suite (void)
   add (s, "abandon_then_reuse", test_abandon_then_reuse);
   add (s, "invalidate_empty", test_invalidate_empty);
   add (s, "intent_feature_bit", test_intent_feature_bit);
+  add (s, "intent_bit_not_behind_checkpoint",
+       test_intent_bit_not_behind_checkpoint);
   add (s, "open_after_crash_in_reserve", test_open_after_crash_in_reserve);
   add (s, "intent_recover_evicted", test_intent_recover_evicted);
   add (s, "nospace_write_invalidates_durably",
