@@ -7,6 +7,66 @@
 
 #include "backing.h"
 
+/* ---- the plugin's thread model -------------------------------------------------- */
+
+/* nbdkit serialises the clients' requests as the plugin's thread model
+ * asks (it runs the whole chain under the strictest model of its
+ * layers), but not the calls the filter's own threads make on its own
+ * context (the writeback thread and its writers): nbdkit-filter(3)
+ * leaves those to the filter.  So under any model but PARALLEL every
+ * call the filter makes into the export takes plugin_lock: one call in
+ * the plugin at a time, the strictest model's rule
+ * (SERIALIZE_ALL_REQUESTS), whichever serialising model the plugin
+ * asked for.  It is held for one call only, and nothing waits for the
+ * filter's own locks while holding it, so it adds no lock cycle.  With
+ * PARALLEL (nbd, file, memory: the usual exports) it costs one branch. */
+static bool serialise;
+static pthread_mutex_t plugin_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void
+bk_set_thread_model (int thread_model)
+{
+  serialise = thread_model != NBDKIT_THREAD_MODEL_PARALLEL;
+  if (serialise)
+    nbdkit_debug ("bcachefilter: the export's thread model is not "
+                  "parallel: the filter's calls into it are serialised, "
+                  "its background writes included");
+}
+
+static void
+plugin_enter (void)
+{
+  if (serialise)
+    pthread_mutex_lock (&plugin_lock);
+}
+
+static void
+plugin_leave (void)
+{
+  if (serialise)
+    pthread_mutex_unlock (&plugin_lock);
+}
+
+/* One call into next, serialised as the thread model needs. */
+#define PLUGIN_CALL(call) \
+  ({ plugin_enter (); __auto_type r_ = (call); plugin_leave (); r_; })
+
+int64_t
+bk_next_get_size (nbdkit_next *next)
+{
+  return PLUGIN_CALL (next->get_size (next));
+}
+
+int
+bk_next_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
+                 uint32_t flags, struct nbdkit_extents *extents, int *err)
+{
+  return PLUGIN_CALL (next->extents (next, count, offset, flags, extents,
+                                     err));
+}
+
+/* ---- a request's backing store ----------------------------------------------------- */
+
 static int
 bk_err (int e)
 {
@@ -19,8 +79,8 @@ bk_pread (void *opaque, void *buf, uint32_t count, uint64_t offset)
   struct bk *k = opaque;
   int e = 0;
 
-  return k->next->pread (k->next, buf, count, offset, 0, &e) == -1
-         ? bk_err (e) : 0;
+  return PLUGIN_CALL (k->next->pread (k->next, buf, count, offset, 0, &e))
+         == -1 ? bk_err (e) : 0;
 }
 
 static int
@@ -31,10 +91,11 @@ bk_pwrite (void *opaque, const void *buf, uint32_t count, uint64_t offset,
   uint32_t f = fua && k->fua_native ? NBDKIT_FLAG_FUA : 0;
   int e = 0;
 
-  if (k->next->pwrite (k->next, buf, count, offset, f, &e) == -1)
+  if (PLUGIN_CALL (k->next->pwrite (k->next, buf, count, offset, f, &e))
+      == -1)
     return bk_err (e);
   if (fua && !k->fua_native &&
-      k->next->flush (k->next, 0, &e) == -1)
+      PLUGIN_CALL (k->next->flush (k->next, 0, &e)) == -1)
     return bk_err (e);
   return 0;
 }
@@ -47,7 +108,8 @@ bk_flush (void *opaque)
 
   if (!k->can_flush)
     return 0;
-  return k->next->flush (k->next, 0, &e) == -1 ? bk_err (e) : 0;
+  return PLUGIN_CALL (k->next->flush (k->next, 0, &e)) == -1
+         ? bk_err (e) : 0;
 }
 
 static int
@@ -56,7 +118,7 @@ bk_trim (void *opaque, uint32_t count, uint64_t offset)
   struct bk *k = opaque;
   int e = 0;
 
-  return k->next->trim (k->next, count, offset, 0, &e) == -1
+  return PLUGIN_CALL (k->next->trim (k->next, count, offset, 0, &e)) == -1
          ? bk_err (e) : 0;
 }
 
@@ -68,7 +130,7 @@ bk_zero (void *opaque, uint32_t count, uint64_t offset, bool may_trim)
                (k->flags & NBDKIT_FLAG_FAST_ZERO);
   int e = 0;
 
-  return k->next->zero (k->next, count, offset, f, &e) == -1
+  return PLUGIN_CALL (k->next->zero (k->next, count, offset, f, &e)) == -1
          ? bk_err (e) : 0;
 }
 
@@ -76,7 +138,7 @@ static int64_t
 bk_size (void *opaque)
 {
   struct bk *k = opaque;
-  int64_t s = k->next->get_size (k->next);
+  int64_t s = bk_next_get_size (k->next);
 
   return s < 0 ? -EIO : s;
 }
@@ -93,8 +155,8 @@ bk_set (struct bk *k, nbdkit_next *next, uint32_t flags)
 {
   k->next = next;
   k->flags = flags;
-  k->fua_native = next->can_fua (next) == NBDKIT_FUA_NATIVE;
-  k->can_flush = next->can_flush (next) == 1;
+  k->fua_native = PLUGIN_CALL (next->can_fua (next)) == NBDKIT_FUA_NATIVE;
+  k->can_flush = PLUGIN_CALL (next->can_flush (next)) == 1;
 }
 
 void
@@ -119,12 +181,8 @@ static struct bk bg_bk;
  * connection asks during the handshake; ours must ask itself).  Returns
  * 0, or -1 after nbdkit_error. */
 static int
-bg_open_locked (void)
+bg_open_plugin_locked (void)
 {
-  if (bg_next)
-    return 0;
-  if (!bg_backend)
-    return -1;
   bg_next = nbdkit_next_context_open (bg_backend, 0, "", 1);
   if (!bg_next) {
     nbdkit_error ("bcachefilter: cannot open the export from the filter "
@@ -141,8 +199,25 @@ bg_open_locked (void)
     bg_next = NULL;
     return -1;
   }
-  bk_set (&bg_bk, bg_next, 0);
   return 0;
+}
+
+static int
+bg_open_locked (void)
+{
+  int r;
+
+  if (bg_next)
+    return 0;
+  if (!bg_backend)
+    return -1;
+  /* Opening and preparing are calls into the plugin too. */
+  plugin_enter ();
+  r = bg_open_plugin_locked ();
+  plugin_leave ();
+  if (r == 0)
+    bk_set (&bg_bk, bg_next, 0);
+  return r;
 }
 
 /* The open context, or NULL. */
@@ -223,8 +298,10 @@ bk_background_close (void)
 {
   pthread_mutex_lock (&bg_lock);
   if (bg_next) {
+    plugin_enter ();
     bg_next->finalize (bg_next);
     nbdkit_next_context_close (bg_next);
+    plugin_leave ();
     bg_next = NULL;
   }
   bg_backend = NULL;

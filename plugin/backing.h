@@ -9,7 +9,10 @@
  * nbdkit's errors turned into negative errnos.
  *
  * Locking: none for a struct bk, which lives for one request, on its
- * thread.  The background store opens its context under bg_lock.
+ * thread.  The background store opens its context under bg_lock.  When
+ * the export's thread model is not PARALLEL, every call into it takes
+ * plugin_lock (inside bg_lock), held for that call only (backing.c says
+ * why).
  */
 #ifndef BCACHEFILTER_PLUGIN_BACKING_H
 #define BCACHEFILTER_PLUGIN_BACKING_H
@@ -31,6 +34,16 @@ struct bk {
    * is a no-op. */
   bool can_flush;
 };
+
+/* The thread model nbdkit chose for the chain (.get_ready): anything
+ * but PARALLEL serialises the filter's calls into the export. */
+void bk_set_thread_model (int thread_model);
+/* next->get_size and next->extents, serialised as the model needs (the
+ * filter's other calls into the export go through struct bk). */
+int64_t bk_next_get_size (nbdkit_next *next);
+int bk_next_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
+                     uint32_t flags, struct nbdkit_extents *extents,
+                     int *err);
 
 /* A request's view of the backing store: b calls next through k. */
 void bk_init (struct bk *k, struct bcf_backing *b, nbdkit_next *next,

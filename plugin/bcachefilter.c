@@ -72,7 +72,7 @@ filter_prepare (nbdkit_next *next, void *handle, int readonly)
 static int64_t
 filter_get_size (nbdkit_next *next, void *handle)
 {
-  int64_t size = next->get_size (next);
+  int64_t size = bk_next_get_size (next);
 
   return size == -1 ? -1 : size - (int64_t) lifecycle_data_offset ();
 }
@@ -170,7 +170,7 @@ shifted_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
                  struct nbdkit_extents *extents, int *err)
 {
   struct nbdkit_extents *e;
-  int64_t size = next->get_size (next);
+  int64_t size = bk_next_get_size (next);
   int r = 0;
 
   if (size == -1) {
@@ -182,7 +182,7 @@ shifted_extents (nbdkit_next *next, uint32_t count, uint64_t offset,
     *err = errno;
     return -1;
   }
-  if (next->extents (next, count, offset + shift, flags, e, err) == -1)
+  if (bk_next_extents (next, count, offset + shift, flags, e, err) == -1)
     r = -1;
   for (size_t i = 0; r == 0 && i < nbdkit_extents_count (e); i++) {
     struct nbdkit_extent x = nbdkit_get_extent (e, i);
@@ -214,7 +214,7 @@ filter_extents (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset
   if (lifecycle_data_offset ())
     return shifted_extents (next, count, offset, lifecycle_data_offset (),
                             flags, extents, err);
-  return next->extents (next, count, offset, flags, extents, err);
+  return bk_next_extents (next, count, offset, flags, extents, err);
 }
 
 static struct nbdkit_filter filter = {

@@ -517,6 +517,7 @@ static const struct bcf_ctl_ops ctl_ops = {
 int
 filter_get_ready (int thread_model)
 {
+  bk_set_thread_model (thread_model);
   return probe_cache (&claim, &verdict);
 }
 
@@ -882,7 +883,7 @@ first_connection (const struct bcf_backing *b, uint64_t size)
 int
 lifecycle_check_export (nbdkit_next *next)
 {
-  int64_t size = next->get_size (next);
+  int64_t size = bk_next_get_size (next);
   int r = 0;
 
   if (size == -1)
