@@ -18,8 +18,8 @@
 #             writeback sends in one backing write (RUN_MAX_BYTES in
 #             core/writeback.c, read from the source: 4 MiB), WB_QD the
 #             most backing writes it has in flight (WRITERS there: 4):
-#             for each batch (one scan of at most 64 dirty extents, cut
-#             into at most 16 runs of contiguous extents, 16 MiB) its
+#             for each batch (one scan of at most 128 dirty extents, cut
+#             into at most 64 runs of contiguous extents, 64 MiB) its
 #             writers read runs from the cache and write them to the
 #             export, up to WB_QD at once, then it flushes the export
 #             once for the batch.  The faster of the two sequential
