@@ -143,7 +143,6 @@ struct writers {
   struct run *queue[BATCH_RUNS];
   unsigned head, tail;                  /* queue[head, tail): waiting */
   unsigned busy;                        /* handed over, not finished */
-  unsigned written;                     /* runs written in this batch */
   int rc;                               /* the batch's first error */
   bool quit;                            /* bcf_writeback_free: no batch
                                            can come any more */
@@ -331,7 +330,6 @@ writer_thread (void *arg)
     pthread_mutex_lock (&wb->lock);
     if (e == 0) {
       r->written = true;
-      wb->w.written++;
     }
     else if (wb->w.rc == 0)
       wb->w.rc = e;
@@ -382,15 +380,14 @@ static int
 write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
              struct run *runs, unsigned nr)
 {
-  unsigned written;
-  bool journalled = false;
+  bool journalled = false, written = false;
   int rc;
 
   if ((rc = writers_start (wb)) < 0)
     return rc;
   pthread_mutex_lock (&wb->lock);
   wb->w.ext = ext;
-  wb->w.head = wb->w.tail = wb->w.written = 0;
+  wb->w.head = wb->w.tail = 0;
   wb->w.rc = 0;
   pthread_mutex_unlock (&wb->lock);
   for (unsigned k = 0; k < nr; k++) {
@@ -421,8 +418,9 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
     pthread_cond_wait (&wb->w.ran, &wb->lock);
   if (rc == 0)
     rc = wb->w.rc;
-  written = wb->w.written;
   pthread_mutex_unlock (&wb->lock);
+  for (unsigned k = 0; k < nr; k++)
+    written = written || runs[k].written;
 
   if (written && rc == 0 &&                                       /* B4 */
       (rc = bcf_cache_flush_export (wb->c, &wb->b)) < 0)
