@@ -936,9 +936,19 @@ write_init (const struct bcf_cache *c, uint64_t offset, uint64_t len,
  * crash either the dirty key survives (and recovery writes the same data
  * back) or it does not (and nothing older is cached).  The decision is
  * made per piece under the lock of its insert. */
+/* Who writes the backing store, and so what a write-intent mark is for. */
+enum write_kind {
+  WRITE_ORDERED,              /* the caller, after bcf_write_durable: a
+                                 mark may stand in for the journal wait */
+  WRITE_THROUGH,              /* the caller, and its keys may go
+                                 unjournalled under a mark taken first */
+  WRITE_BACK,                 /* the writeback thread, after the keys are
+                                 durable (B2): nothing relies on a mark */
+};
+
 static int
 write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
-             const void *data, struct bcf_write *w, bool through)
+             const void *data, struct bcf_write *w, enum write_kind kind)
 {
   struct durability d = { 0 };
   uint64_t s, e;
@@ -951,7 +961,7 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   if ((r = write_init (c, offset, len, w)) < 0)
     return r;
-  if (through && !c->opts.write_intent_off &&
+  if (kind == WRITE_THROUGH && !c->opts.write_intent_off &&
       intent_write_begin (c, s, e) == 0)
     w->intent = d.marked = true;
   r = write_pieces (c, s, e, data, true, w->ptrs, &d);
@@ -967,7 +977,7 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   /* A durable write-intent mark on the range makes the journal wait
    * unnecessary (intent.c), unless a crash could bring back dirty data
    * there, which recovery keeps: asked for after the keys are in. */
-  if (w->ordered && !w->intent && !d.returns_dirty &&
+  if (kind != WRITE_BACK && w->ordered && !w->intent && !d.returns_dirty &&
       !c->opts.write_intent_off && intent_write_begin (c, s, e) == 0) {
     w->ordered = false;
     w->intent = true;
@@ -980,7 +990,20 @@ int
 bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
                  const void *data, struct bcf_write *w)
 {
-  return write_begin (c, offset, len, data, w, false);
+  return write_begin (c, offset, len, data, w, WRITE_ORDERED);
+}
+
+/* A writeback-mode write makes no backing write of its own: the
+ * writeback thread makes it, and only after it has made the keys
+ * durable (writeback.c, B2), so no backing write ever relies on this
+ * write's ordering, and a mark would only cost a journal write in the
+ * write's path (the first in each region) and, after a crash, the
+ * clean data of its region. */
+int
+bcf_write_begin_back (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                      const void *data, struct bcf_write *w)
+{
+  return write_begin (c, offset, len, data, w, WRITE_BACK);
 }
 
 /* A writethrough write: its backing write is its own (the caller's W3),
@@ -999,7 +1022,7 @@ int
 bcf_write_begin_through (struct bcf_cache *c, uint64_t offset, uint64_t len,
                          const void *data, struct bcf_write *w)
 {
-  return write_begin (c, offset, len, data, w, true);
+  return write_begin (c, offset, len, data, w, WRITE_THROUGH);
 }
 
 int

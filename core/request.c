@@ -1786,7 +1786,8 @@ static int
 write_back (struct bcf_req *r, struct span in, const void *data, bool fua)
 {
   struct bcf_write w;
-  int rc = bcf_write_begin (r->c, in.start, in.end - in.start, data, &w);
+  int rc = bcf_write_begin_back (r->c, in.start, in.end - in.start, data,
+                                 &w);
 
   if (rc < 0) {
     if (rc != -ENOSPC && rc != -EROFS)

@@ -389,6 +389,13 @@ int bcf_write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
 int bcf_write_begin_through (struct bcf_cache *c, uint64_t offset,
                              uint64_t len, const void *data,
                              struct bcf_write *w);
+/* The same for a writeback-mode write, whose backing write the
+ * writeback thread makes after the keys are durable: no write-intent
+ * mark is taken (there is nothing for it to stand in for), and
+ * w->ordered means nothing. */
+int bcf_write_begin_back (struct bcf_cache *c, uint64_t offset,
+                          uint64_t len, const void *data,
+                          struct bcf_write *w);
 int bcf_write_durable (struct bcf_cache *c, struct bcf_write *w);
 /* Wait until the keys are on the journal whatever w->ordered says (FUA:
  * a write that must survive a crash once acknowledged). */

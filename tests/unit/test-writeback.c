@@ -313,6 +313,43 @@ START_TEST (flushed_writes_survive_a_crash)
 }
 END_TEST
 
+/* A writeback-mode write over clean data a crash could bring back takes
+ * no write-intent mark: nothing writes the backing store before its
+ * keys are durable (the writeback makes them so first), so a mark would
+ * only put a journal write in the write's path and, after a crash, drop
+ * the region's clean data.  Before bcf_write_begin_back the write marked
+ * its region (intent_marked 1).  A flushed write still survives a crash
+ * over the older clean key, which does not come back. */
+START_TEST (writeback_write_takes_no_mark)
+{
+  struct fx f;
+  static uint8_t old[65536], new[65536];
+  struct bcf_cache_stats st;
+  const uint64_t off = 11 * MiB;
+
+  fx_init (&f, "nomark.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  memset (old, 0x61, sizeof old);
+  memset (new, 0x62, sizeof new);
+  mem_backing_poke (f.mb, old, sizeof old, off);
+  /* A clean key the journal holds: a crash would bring it back. */
+  ck_assert_int_eq (bcf_insert (f.c, off, sizeof old, old, false, true), 0);
+  ck_assert_uint_eq (intent_marked (f.c), 0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
+                    0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_msg (intent_marked (f.c) == 0 && st.intent_marks == 0,
+                 "a writeback-mode write marked %u write-intent regions",
+                 intent_marked (f.c));
+  check_read (&f, off, new, sizeof new, "the write");
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  fx_crash (&f);
+  check_read (&f, off, new, sizeof new, "a flushed write after a crash");
+  ck_assert_int_eq (bcf_req_writeback (f.r, &f.b), 0);
+  check_backing (&f, off, new, sizeof new, "after the writeback");
+  fx_free (&f);
+}
+END_TEST
+
 /* The writeback puts the keys on the journal before their data reaches
  * the backing store.  Without that (bcf_flush skipped in write_batch), a
  * crash after the writeback loses the dirty key from the journal while
@@ -792,6 +829,7 @@ writeback_suite (void)
   ADD (partial_write_over_dirty_writearound);
   ADD (trim_and_zero_of_dirty_data);
   ADD (flushed_writes_survive_a_crash);
+  ADD (writeback_write_takes_no_mark);
   ADD (writeback_journals_before_backing_write);
   ADD (writeback_thread_and_flush);
   ADD (writeback_writes_in_parallel);
