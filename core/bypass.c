@@ -39,6 +39,32 @@
  * list", and a token only ever waits for tokens before it: waits form no
  * cycle.
  *
+ * Absorption (bypass.h).  wait_turn_write first looks, under the lock,
+ * for earlier tokens that are waiting (in wait_turn_write, before their
+ * turn), absorbable, not absorbed yet, and inside its range, and takes
+ * them over: absorber = it, done = true.  Why that keeps the ordering:
+ *  - an absorbed token P never writes: its waiter sees P->absorber when
+ *    it wakes (it checks before its turn, under the lock, and a token is
+ *    absorbed only while waiting is set, which the waiter clears under
+ *    the same lock when its turn comes), and then only waits for
+ *    absorbed_done.  So done = true is true of P: later overlapping
+ *    writes need not wait for it;
+ *  - whatever P waited for overlaps P, so it overlaps its absorber A (P
+ *    is inside A), registered earlier than A: A waits for it;
+ *  - P completes only when A ends (end_write sets absorbed_done and
+ *    absorbed_rc of every token whose absorber it is, under the lock,
+ *    before A leaves the list), so P is acknowledged after A's data
+ *    landed, over all of P's range;
+ *  - A may itself be absorbed later by B: then A never writes either,
+ *    and its waiter, woken by B's end, ends A with B's result, which
+ *    reaches P.  Absorbers are always later than what they absorb, so
+ *    these waits form no cycle; and the chain ends with the one write
+ *    that got its turn, which no one can absorb any more.
+ * A token absorbed while a write between the two registrations overlaps
+ * it lets that write go first: P and it were both in flight, so the
+ * order "that write, then P, then A over P" is one the client allows, and
+ * A lands last over P's range as that order says.
+ *
  * busy's exact check: a miss whose chunks have a non-zero count takes
  * t->lock and looks for a token whose byte range overlaps.  Every token
  * whose increment the fast path saw is in the list by then: the token is
@@ -96,6 +122,7 @@
  */
 #include "config.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -136,6 +163,7 @@ struct bcf_bypass {
   uint64_t next_seq;
   atomic_bool no_ordering;          /* tests: wait_turn returns at once */
   uint64_t in_flight_peak, exact_checks, waits, wait_ns, wait_max_ns;
+  uint64_t absorbed, waiting;
   struct page *reserve[BYPASS_RESERVE];
   uint64_t nreserve;
   struct page *retired;             /* linked through w[0], w[1] */
@@ -408,6 +436,10 @@ list_add (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 {
   tok->seq = ++t->next_seq;
   tok->done = false;
+  tok->waiting = false;
+  tok->absorbed_done = false;
+  tok->absorbed_rc = 0;
+  tok->absorber = NULL;
   tok->next = NULL;
   tok->prev = t->tail;
   if (t->tail)
@@ -439,9 +471,28 @@ overlaps (const struct bcf_bypass_token *tok, uint64_t start, uint64_t end)
          tok->start < end && start < tok->end;
 }
 
+static void register_token (struct bcf_bypass *t, uint64_t offset,
+                            uint64_t len, struct bcf_bypass_token *tok);
+
 void
 bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
                   struct bcf_bypass_token *tok)
+{
+  tok->flags = 0;
+  register_token (t, offset, len, tok);
+}
+
+void
+bcf_bypass_begin_write (struct bcf_bypass *t, uint64_t offset, uint64_t len,
+                        unsigned flags, struct bcf_bypass_token *tok)
+{
+  tok->flags = flags;
+  register_token (t, offset, len, tok);
+}
+
+static void
+register_token (struct bcf_bypass *t, uint64_t offset, uint64_t len,
+                struct bcf_bypass_token *tok)
 {
   uint64_t first, n;
 
@@ -492,6 +543,75 @@ must_wait (const struct bcf_bypass_token *tok)
   return false;
 }
 
+/* Take over the earlier writes tok covers that are still waiting
+ * (absorption: see the top of the file).  Under the lock. */
+static void
+absorb_earlier (struct bcf_bypass *t, struct bcf_bypass_token *tok)
+{
+  bool any = false;
+
+  if (!(tok->flags & BCF_BYPASS_ABSORB))
+    return;
+  for (struct bcf_bypass_token *p = tok->prev; p; p = p->prev)
+    if (p->waiting && !p->absorber && (p->flags & BCF_BYPASS_ABSORB) &&
+        p->start < p->end && tok->start <= p->start && p->end <= tok->end &&
+        (!(p->flags & BCF_BYPASS_FUA) || (tok->flags & BCF_BYPASS_FUA))) {
+      p->absorber = tok;
+      p->done = true;
+      t->absorbed++;
+      any = true;
+    }
+  /* Writes registered between an absorbed one and tok may wait for it
+   * (a flush-like barrier over the whole store, say, which tok then
+   * waits for): done changed, so they look again now. */
+  if (any)
+    pthread_cond_broadcast (&t->order);
+}
+
+/* Count a wait that took waited ns.  Under the lock. */
+static void
+count_wait (struct bcf_bypass *t, uint64_t waited)
+{
+  t->waits++;
+  t->wait_ns += waited;
+  if (waited > t->wait_max_ns)
+    t->wait_max_ns = waited;
+}
+
+bool
+bcf_bypass_wait_turn_write (struct bcf_bypass *t,
+                            struct bcf_bypass_token *tok, int *rc)
+{
+  uint64_t t0;
+  bool absorbed;
+
+  if (atomic_load_explicit (&t->no_ordering, memory_order_relaxed))
+    return false;
+  pthread_mutex_lock (&t->lock);
+  absorb_earlier (t, tok);
+  if (!must_wait (tok)) {
+    pthread_mutex_unlock (&t->lock);
+    return false;
+  }
+  t0 = bcf_now_ns ();
+  tok->waiting = true;
+  t->waiting++;
+  do
+    pthread_cond_wait (&t->order, &t->lock);
+  while (!tok->absorber && must_wait (tok));
+  tok->waiting = false;
+  t->waiting--;
+  absorbed = tok->absorber != NULL;
+  if (absorbed) {
+    while (!tok->absorbed_done)
+      pthread_cond_wait (&t->order, &t->lock);
+    *rc = tok->absorbed_rc;
+  }
+  count_wait (t, bcf_now_ns () - t0);
+  pthread_mutex_unlock (&t->lock);
+  return absorbed;
+}
+
 uint64_t
 bcf_bypass_wait_turn (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 {
@@ -509,10 +629,7 @@ bcf_bypass_wait_turn (struct bcf_bypass *t, struct bcf_bypass_token *tok)
     pthread_cond_wait (&t->order, &t->lock);
   while (must_wait (tok));
   waited = bcf_now_ns () - t0;
-  t->waits++;
-  t->wait_ns += waited;
-  if (waited > t->wait_max_ns)
-    t->wait_max_ns = waited;
+  count_wait (t, waited);
   pthread_mutex_unlock (&t->lock);
   return waited;
 }
@@ -529,11 +646,26 @@ bcf_bypass_done (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 void
 bcf_bypass_end (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 {
+  bcf_bypass_end_write (t, tok, -EIO);
+}
+
+void
+bcf_bypass_end_write (struct bcf_bypass *t, struct bcf_bypass_token *tok,
+                      int rc)
+{
   uint64_t first = tok->first, n = tok->nchunks;
   bool page_emptied = false;
 
   pthread_mutex_lock (&t->lock);
   t->in_flight--;
+  /* What tok absorbed completes with its result (all of it is earlier
+   * in the list, still linked: each waits for this). */
+  for (struct bcf_bypass_token *p = tok->flags & BCF_BYPASS_ABSORB ? tok->prev
+                                   : NULL; p; p = p->prev)
+    if (p->absorber == tok) {
+      p->absorbed_rc = rc;
+      p->absorbed_done = true;
+    }
   list_del (t, tok);
   pthread_cond_broadcast (&t->order);
   for (uint64_t c = first; c < first + n; c++) {
@@ -625,6 +757,8 @@ bcf_bypass_get_mem (struct bcf_bypass *t, struct bcf_bypass_mem *m)
   m->in_flight_peak = t->in_flight_peak;
   m->exact_checks = t->exact_checks;
   m->waits = t->waits;
+  m->absorbed = t->absorbed;
+  m->waiting = t->waiting;
   m->wait_ns = t->wait_ns;
   m->wait_max_ns = t->wait_max_ns;
   pthread_mutex_unlock (&t->lock);

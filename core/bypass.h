@@ -30,6 +30,18 @@
  * overlapping writes and the backing store's are the same (request.c
  * argues why that matters).  Earlier writes never wait for later ones, so
  * no cycle of waits can form.
+ *
+ * Absorption: a client write registered with BCF_BYPASS_ABSORB (its
+ * bytes are exactly its range) that covers an earlier such write still
+ * waiting for its turn stands in for it: the earlier write counts as
+ * done at once (later writes no longer wait for it), never writes, and
+ * completes with the later write's result when that one ends
+ * (bcf_bypass_wait_turn_write).  Neither was acknowledged before the
+ * other arrived, so the two may land in either order; landing the
+ * earlier first and the later over all of it leaves what the later one
+ * leaves.  A FUA write is absorbed only by a FUA write.  On a block
+ * written over and over (a hot block of a VM's filesystem), a queue of
+ * k waiting writes then costs one backing write, not k in series.
  */
 #ifndef BCACHEFILTER_BYPASS_H
 #define BCACHEFILTER_BYPASS_H
@@ -48,9 +60,20 @@ struct bcf_bypass_token {
   uint64_t first, nchunks;      /* chunks [first, first + nchunks) */
   uint64_t start, end;          /* bytes, clamped to the size */
   uint64_t seq;                 /* registration order */
-  bool done;                    /* its backing write has completed */
+  bool done;                    /* its backing write has completed (or
+                                   it was absorbed: it will make none) */
+  unsigned flags;               /* BCF_BYPASS_ABSORB, BCF_BYPASS_FUA */
+  bool waiting;                 /* in wait_turn_write, before its turn */
+  bool absorbed_done;           /* its absorber ended, with absorbed_rc */
+  int absorbed_rc;
+  struct bcf_bypass_token *absorber;    /* the later write standing in */
   struct bcf_bypass_token *prev, *next;
 };
+
+/* Flags of bcf_bypass_begin_write. */
+#define BCF_BYPASS_ABSORB 1u    /* a client write of exactly its range:
+                                   may absorb and be absorbed */
+#define BCF_BYPASS_FUA    2u    /* ... with FUA */
 
 struct bcf_bypass_mem {
   uint64_t bytes;             /* now: page table + pages + reserve */
@@ -62,6 +85,9 @@ struct bcf_bypass_mem {
   uint64_t in_flight_peak;    /* ... at most */
   uint64_t exact_checks;      /* busy() calls that needed the exact ranges */
   uint64_t waits;             /* wait_turn calls that had to wait */
+  uint64_t absorbed;          /* writes a later one stood in for */
+  uint64_t waiting;           /* writes in wait_turn_write now, before
+                                 their turn */
   uint64_t wait_ns, wait_max_ns;  /* how long, in all and at most */
 };
 
@@ -77,10 +103,25 @@ void bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
  * (bcf_bypass_done or bcf_bypass_end).  Returns the nanoseconds waited. */
 uint64_t bcf_bypass_wait_turn (struct bcf_bypass *t,
                                struct bcf_bypass_token *tok);
+/* A client write: begin with flags; then wait_turn_write, which also
+ * lets tok absorb the earlier writes it covers that are still waiting,
+ * and returns true if a later write absorbed tok itself: the write is
+ * complete, with the result in *rc (the caller makes no backing write
+ * and calls bcf_bypass_end_write with that result).  False: tok's turn,
+ * as bcf_bypass_wait_turn. */
+void bcf_bypass_begin_write (struct bcf_bypass *t, uint64_t offset,
+                             uint64_t len, unsigned flags,
+                             struct bcf_bypass_token *tok);
+bool bcf_bypass_wait_turn_write (struct bcf_bypass *t,
+                                 struct bcf_bypass_token *tok, int *rc);
 /* tok's backing write has completed: later overlapping writes may go. */
 void bcf_bypass_done (struct bcf_bypass *t, struct bcf_bypass_token *tok);
-/* Unregister what begin registered. */
+/* Unregister what begin registered.  The writes tok absorbed complete
+ * with rc (bcf_bypass_end: -EIO; a write that may absorb ends with its
+ * result). */
 void bcf_bypass_end (struct bcf_bypass *t, struct bcf_bypass_token *tok);
+void bcf_bypass_end_write (struct bcf_bypass *t, struct bcf_bypass_token *tok,
+                           int rc);
 
 /* Is a write that overlaps [offset, offset + len) registered?  Lock-free
  * when no write is registered in the chunks of the range (the common

@@ -295,6 +295,9 @@ struct getter {
      "Time writes spent waiting for overlapping writes.")                   \
   X (write_wait_max_ns, GAUGE, NS, ENGINE, 0, U64 (req.write_wait_max_ns),  \
      N_REQ, "The longest such wait.")                                       \
+  X (write_absorbed, COUNTER, NONE, ENGINE, 0, U64 (req.write_absorbed),    \
+     N_REQ, "Waiting writes that a later write covering them stood in "     \
+     "for.")                                                                \
   X (writes_in_flight_peak, GAUGE, NONE, ENGINE, 0,                         \
      U64 (req.writes_in_flight_peak), N_REQ,                                \
      "The most writes in flight at once.")                                  \

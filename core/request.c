@@ -143,6 +143,20 @@
  * the cache would be newer than the export, and a restart (or a clean
  * key of W) would serve data the export does not have.
  *
+ * Absorbed writes.  A write of whole blocks that registers while an
+ * earlier write of whole blocks inside its range still waits for its
+ * turn stands in for it (bypass.h, bcf_bypass_wait_turn_write): the
+ * earlier write P does nothing at all, neither W2 nor W3, and completes
+ * with the later write A's result once A has passed W5.  The ordering
+ * above holds for A as for any write, and P never changes the cache or
+ * the backing store, so the two agree as if P had landed just before A
+ * and A over all of it: an order the client allows, since neither was
+ * acknowledged before the other arrived.  P is acknowledged after A's
+ * data is in both, so a read after P's acknowledgement gets A's data
+ * or newer; a FUA write is absorbed only by a FUA write; a flush that
+ * registered between the two does not wait for P, which it need not
+ * cover (P was not acknowledged before the flush arrived).
+ *
  * Why a crash leaves no clean key older than the backing store (I2).
  * W's dirty keys reach the journal before W3 wherever a crash could
  * otherwise bring back an older key of the range (w.ordered).  After a
@@ -996,6 +1010,15 @@ bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled)
   bcf_bypass_test_disable_ordering (r->tracker, disabled);
 }
 
+uint64_t
+bcf_req_test_writes_waiting (struct bcf_req *r)
+{
+  struct bcf_bypass_mem m;
+
+  bcf_bypass_get_mem (r->tracker, &m);
+  return m.waiting;
+}
+
 void
 bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
 {
@@ -1021,6 +1044,7 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
   st->write_inserts = atomic_load (&r->write_inserts);
   st->write_collisions = atomic_load (&r->write_collisions);
   st->write_waits = m.waits;
+  st->write_absorbed = m.absorbed;
   st->write_wait_ns = m.wait_ns;
   st->write_wait_max_ns = m.wait_max_ns;
   st->writes_in_flight_peak = m.in_flight_peak;
@@ -1543,6 +1567,33 @@ register_change (struct bcf_req *r, struct span s,
   bcf_bypass_wait_turn (r->tracker, tok);
 }
 
+/* W1 of a client write of [offset, +count) over span s: the same, but a
+ * write of whole blocks may absorb, and be absorbed by, the writes of
+ * whole blocks it overlaps (bypass.h): returns true if a later write
+ * stood in for this one, which is then complete with the result in *rc
+ * (the caller ends its registration with end_write and does nothing
+ * else: not even W2, so the cache, like the backing store, only ever
+ * sees the write that stood in). */
+static bool
+register_write (struct bcf_req *r, struct span s, uint64_t offset,
+                uint32_t count, bool fua, struct bcf_bypass_token *tok,
+                int *rc)
+{
+  unsigned flags = offset == s.start && offset + count == s.end
+                   ? BCF_BYPASS_ABSORB | (fua ? BCF_BYPASS_FUA : 0) : 0;
+
+  bcf_bypass_begin_write (r->tracker, s.start, s.end - s.start, flags, tok);
+  return bcf_bypass_wait_turn_write (r->tracker, tok, rc);
+}
+
+/* W5 of a client write that returns rc: what it absorbed completes with
+ * the same result. */
+static void
+end_write (struct bcf_req *r, struct bcf_bypass_token *tok, int rc)
+{
+  bcf_bypass_end_write (r->tracker, tok, rc);
+}
+
 /* A durable cache update (an invalidation, dirty keys) of W2 failed, so
  * the range may hold data a restart could bring back: give the cache up
  * (go_passthrough), which tries to write that mark.  Returns 0 if it is
@@ -1914,7 +1965,10 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (!off)
     bypass = should_bypass (r, offset, count);
 
-  register_change (r, s, &tok);                                /* W1 */
+  if (register_write (r, s, offset, count, fua, &tok, &rc)) {  /* W1 */
+    end_write (r, &tok, rc);
+    return rc;
+  }
   data = buf;
   woff = offset;
   wlen = count;
@@ -1934,7 +1988,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     /* The whole span is written: the partial blocks' dirty data must
      * not be invalidated, and writeback caches whole blocks only. */
     if ((rc = widen_write (r, b, s, buf, count, offset, &wide, &wlen)) < 0) {
-      bcf_bypass_end (r->tracker, &tok);
+      end_write (r, &tok, rc);
       return rc;
     }
     data = wide;
@@ -1943,9 +1997,10 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   }
   if (back && in.start < in.end &&
       (rc = write_back (r, in, data + (in.start - woff), fua)) != 0) {
-    bcf_bypass_end (r->tracker, &tok);
+    rc = rc < 0 ? rc : 0;
+    end_write (r, &tok, rc);
     free (wide);
-    return rc < 0 ? rc : 0;
+    return rc;
   }
   insert = insert && in.start < in.end;
   if (!insert && !off)
@@ -1953,7 +2008,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (insert && !dirty && !cache_off (r) &&
       (write_fill (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc) ||
        write_over (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc))) {
-    bcf_bypass_end (r->tracker, &tok);                         /* W5 */
+    end_write (r, &tok, rc);                                   /* W5 */
     free (wide);
     return rc;
   }
@@ -1966,7 +2021,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (insert && rc == 0)
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   if (rc < 0) {
-    bcf_bypass_end (r->tracker, &tok);
+    end_write (r, &tok, rc);
     free (wide);
     return rc;
   }
@@ -1975,7 +2030,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                                           (uint32_t) wlen, woff, fua));
   if (cached)                                                 /* W4 */
     complete_cache_write (r, &w, rc, dirty, fua);
-  bcf_bypass_end (r->tracker, &tok);                           /* W5 */
+  end_write (r, &tok, rc);                                     /* W5 */
   free (wide);
   return rc;
 }

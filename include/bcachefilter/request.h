@@ -235,6 +235,8 @@ struct bcf_req_stats {
   uint64_t write_waits;         /* writes that waited for an overlapping
                                    write in flight */
   uint64_t write_wait_ns, write_wait_max_ns;    /* how long in all, at most */
+  uint64_t write_absorbed;      /* writes a later write covering them
+                                   stood in for while they waited */
   uint64_t writes_in_flight_peak;
   uint64_t bypass_exact_checks; /* misses in a chunk with a write in
                                    flight: the exact ranges decided */
@@ -282,6 +284,8 @@ int bcf_req_writeback (struct bcf_req *r, const struct bcf_backing *b);
 void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
 /* Tests only: disable the ordering of overlapping writes. */
 void bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled);
+/* Tests only: writes waiting for their turn in the tracker now. */
+uint64_t bcf_req_test_writes_waiting (struct bcf_req *r);
 
 #pragma GCC visibility pop
 

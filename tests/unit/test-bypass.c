@@ -316,6 +316,193 @@ START_TEST (test_ordering)
 }
 END_TEST
 
+/* ---- Absorption --------------------------------------------------------- */
+
+/* A client write waiting for its turn in the background
+ * (bcf_bypass_wait_turn_write), registered in this thread. */
+struct bg_write {
+  struct bcf_bypass *t;
+  struct bcf_bypass_token tok;
+  pthread_t th;
+  atomic_bool returned;
+  bool absorbed;
+  int rc;
+};
+
+static void *
+bg_write_run (void *arg)
+{
+  struct bg_write *w = arg;
+
+  w->absorbed = bcf_bypass_wait_turn_write (w->t, &w->tok, &w->rc);
+  atomic_store (&w->returned, true);
+  return NULL;
+}
+
+static void
+bg_write_start (struct bg_write *w, struct bcf_bypass *t, uint64_t off,
+                uint64_t len, unsigned flags)
+{
+  memset (w, 0, sizeof *w);
+  w->t = t;
+  bcf_bypass_begin_write (t, off, len, flags, &w->tok);
+  ck_assert_int_eq (pthread_create (&w->th, NULL, bg_write_run, w), 0);
+}
+
+static bool
+bg_write_returned_within (struct bg_write *w, unsigned ms)
+{
+  for (unsigned i = 0; i < ms && !atomic_load (&w->returned); i++)
+    usleep (1000);
+  return atomic_load (&w->returned);
+}
+
+/* Wait (up to 10 s) until n writes wait for their turn and `absorbed`
+ * writes have been absorbed in all (an absorbed write no longer waits
+ * for its turn, only for its absorber). */
+static void
+wait_for (struct bcf_bypass *t, uint64_t n, uint64_t absorbed)
+{
+  for (unsigned i = 0; i < 10000 && (mem (t).waiting != n ||
+                                     mem (t).absorbed != absorbed); i++)
+    usleep (1000);
+  ck_assert_uint_eq (mem (t).waiting, n);
+  ck_assert_uint_eq (mem (t).absorbed, absorbed);
+}
+
+/* A write covering earlier waiting writes stands in for them: they
+ * return only when it ends, with its result; one absorbed in turn
+ * passes its absorber's result on.  (Disable absorb_earlier and P and A
+ * get their turns instead: absorbed stays 0.) */
+START_TEST (test_absorption)
+{
+  struct bcf_bypass *t = bcf_bypass_new (TiB);
+  struct bcf_bypass_token v;
+  struct bg_write p, a, b;
+
+  bcf_bypass_begin_write (t, 0, 8192, BCF_BYPASS_ABSORB, &v);
+  ck_assert (!bcf_bypass_wait_turn_write (t, &v, &(int) { 0 }));
+  bg_write_start (&p, t, 4096, 4096, BCF_BYPASS_ABSORB);
+  wait_for (t, 1, 0);
+  /* A covers P, which waits: A takes it over (and the running v, which
+   * covers nothing A does not, is not absorbed: it is not waiting). */
+  bg_write_start (&a, t, 0, 8192, BCF_BYPASS_ABSORB);
+  wait_for (t, 1, 1);
+  /* B, a FUA write, covers A: takes A over. */
+  bg_write_start (&b, t, 0, 8192, BCF_BYPASS_ABSORB | BCF_BYPASS_FUA);
+  wait_for (t, 1, 2);
+  ck_assert (!bg_write_returned_within (&p, 20));
+  ck_assert (!bg_write_returned_within (&a, 20));
+  ck_assert (!bg_write_returned_within (&b, 20));
+  /* v ends: B's turn (P and A count as done); P and A still wait. */
+  bcf_bypass_end_write (t, &v, 0);
+  ck_assert (bg_write_returned_within (&b, 10000));
+  pthread_join (b.th, NULL);
+  ck_assert (!b.absorbed);
+  ck_assert (!bg_write_returned_within (&a, 50));
+  ck_assert (!bg_write_returned_within (&p, 1));
+  /* B ends with 42: A completes with it, and P when A ends. */
+  bcf_bypass_end_write (t, &b.tok, 42);
+  ck_assert (bg_write_returned_within (&a, 10000));
+  pthread_join (a.th, NULL);
+  ck_assert (a.absorbed);
+  ck_assert_int_eq (a.rc, 42);
+  ck_assert (!bg_write_returned_within (&p, 50));
+  bcf_bypass_end_write (t, &a.tok, a.rc);
+  ck_assert (bg_write_returned_within (&p, 10000));
+  pthread_join (p.th, NULL);
+  ck_assert (p.absorbed);
+  ck_assert_int_eq (p.rc, 42);
+  bcf_bypass_end_write (t, &p.tok, p.rc);
+  ck_assert_uint_eq (mem (t).in_flight, 0);
+  ck_assert_uint_eq (mem (t).waiting, 0);
+
+  /* Across a barrier (detach's wait for the writes in flight: the whole
+   * store, registered between P and A): the barrier goes once v ends,
+   * without waiting for P, which A stands in for; then A, then P. */
+  {
+    struct bg_writer barrier;
+
+    bcf_bypass_begin_write (t, 0, 8192, BCF_BYPASS_ABSORB, &v);
+    ck_assert (!bcf_bypass_wait_turn_write (t, &v, &(int) { 0 }));
+    bg_write_start (&p, t, 0, 4096, BCF_BYPASS_ABSORB);
+    wait_for (t, 1, 2);
+    bg_writer_start (&barrier, t, 0, TiB);
+    ck_assert (!bg_writer_turned_within (&barrier, 20));
+    bg_write_start (&a, t, 0, 4096, BCF_BYPASS_ABSORB);
+    wait_for (t, 1, 3);
+    bcf_bypass_end_write (t, &v, 0);
+    ck_assert (bg_writer_turned_within (&barrier, 10000));
+    pthread_join (barrier.th, NULL);
+    ck_assert (!bg_write_returned_within (&a, 20));
+    bcf_bypass_end (t, &barrier.tok);
+    ck_assert (bg_write_returned_within (&a, 10000));
+    pthread_join (a.th, NULL);
+    ck_assert (!a.absorbed);
+    ck_assert (!bg_write_returned_within (&p, 20));
+    bcf_bypass_end_write (t, &a.tok, 7);
+    ck_assert (bg_write_returned_within (&p, 10000));
+    pthread_join (p.th, NULL);
+    ck_assert (p.absorbed);
+    ck_assert_int_eq (p.rc, 7);
+    bcf_bypass_end_write (t, &p.tok, p.rc);
+    ck_assert_uint_eq (mem (t).in_flight, 0);
+  }
+  bcf_bypass_free (t);
+}
+END_TEST
+
+/* What is never absorbed: a FUA write by a write without FUA, a write
+ * that does not register as absorbable (a trim, the writeback), one that
+ * is not wholly inside the later write, and one that is not waiting. */
+START_TEST (test_absorption_limits)
+{
+  struct bcf_bypass *t = bcf_bypass_new (TiB);
+  struct bcf_bypass_token v;
+  struct bg_write f, n, x, a;
+
+  bcf_bypass_begin_write (t, 0, 8192, BCF_BYPASS_ABSORB, &v);
+  ck_assert (!bcf_bypass_wait_turn_write (t, &v, &(int) { 0 }));
+  bg_write_start (&f, t, 0, 4096, BCF_BYPASS_ABSORB | BCF_BYPASS_FUA);
+  wait_for (t, 1, 0);
+  bg_write_start (&n, t, 0, 4096, 0);
+  wait_for (t, 2, 0);
+  bg_write_start (&x, t, 4096, 8192, BCF_BYPASS_ABSORB);
+  wait_for (t, 3, 0);
+  bg_write_start (&a, t, 0, 8192, BCF_BYPASS_ABSORB);
+  wait_for (t, 4, 0);
+  /* Each gets its own turn, in order. */
+  bcf_bypass_end_write (t, &v, 0);
+  ck_assert (bg_write_returned_within (&f, 10000));
+  ck_assert (!bg_write_returned_within (&n, 20));
+  bcf_bypass_end_write (t, &f.tok, 0);
+  ck_assert (bg_write_returned_within (&n, 10000));
+  ck_assert (!bg_write_returned_within (&a, 20));
+  bcf_bypass_end_write (t, &n.tok, 0);
+  ck_assert (bg_write_returned_within (&x, 10000));
+  ck_assert (!bg_write_returned_within (&a, 20));
+  bcf_bypass_end_write (t, &x.tok, 0);
+  ck_assert (bg_write_returned_within (&a, 10000));
+  bcf_bypass_end_write (t, &a.tok, 0);
+  pthread_join (f.th, NULL);
+  pthread_join (n.th, NULL);
+  pthread_join (x.th, NULL);
+  pthread_join (a.th, NULL);
+  ck_assert (!f.absorbed && !n.absorbed && !x.absorbed && !a.absorbed);
+  ck_assert_uint_eq (mem (t).absorbed, 0);
+  ck_assert_uint_eq (mem (t).in_flight, 0);
+
+  /* With the ordering disabled (tests only) nothing waits or absorbs. */
+  bcf_bypass_test_disable_ordering (t, true);
+  bcf_bypass_begin_write (t, 0, 4096, BCF_BYPASS_ABSORB, &v);
+  bcf_bypass_begin_write (t, 0, 4096, BCF_BYPASS_ABSORB, &a.tok);
+  ck_assert (!bcf_bypass_wait_turn_write (t, &a.tok, &(int) { 0 }));
+  bcf_bypass_end_write (t, &a.tok, 0);
+  bcf_bypass_end_write (t, &v, 0);
+  bcf_bypass_free (t);
+}
+END_TEST
+
 /* ---- Memory ------------------------------------------------------------- */
 
 static void
@@ -821,6 +1008,8 @@ bypass_suite (void)
   tcase_add_test (tc, test_boundaries);
   tcase_add_test (tc, test_odd_sizes);
   tcase_add_test (tc, test_ordering);
+  tcase_add_test (tc, test_absorption);
+  tcase_add_test (tc, test_absorption_limits);
   tcase_add_test (tc, test_memory);
   tcase_add_test (tc, test_reserve);
   tcase_add_test (tc, test_model_random);

@@ -778,6 +778,103 @@ START_TEST (overlapping_writethrough_writes)
 }
 END_TEST
 
+/* Wait (up to 10 s) until n writes wait for their turn and `absorbed`
+ * have been absorbed (which then wait for their absorber only). */
+static uint64_t
+absorbed_writes (struct fx *f)
+{
+  struct bcf_req_stats rs;
+
+  bcf_req_get_stats (f->r, &rs);
+  return rs.write_absorbed;
+}
+
+static void
+wait_for_waiting_writes (struct fx *f, uint64_t n, uint64_t absorbed)
+{
+  for (unsigned i = 0; i < 10000 &&
+       (bcf_req_test_writes_waiting (f->r) != n ||
+        absorbed_writes (f) != absorbed); i++)
+    usleep (1000);
+  ck_assert_uint_eq (bcf_req_test_writes_waiting (f->r), n);
+}
+
+/* Absorbed writes (bcf_req_write's W1, register_write): W1 is parked in
+ * the backing store, W2 waits for it, and W3, covering W2, arrives: W3
+ * stands in for W2.  W2 makes no backing write and no cache update, and
+ * returns only after W3's data is in the backing store; the backing
+ * store sees two writes, not three, and the cache and the backing store
+ * agree on W3's data, also after a restart.  Over uncached, clean and
+ * dirty data.  (With absorb_earlier disabled: three backing writes,
+ * write_absorbed 0.) */
+START_TEST (waiting_write_absorbed)
+{
+  for (enum held warm = COLD; warm <= WARM_DIRTY; warm++) {
+    struct fx f;
+    static uint8_t a[16384], b[16384], c[16384], got[16384];
+    const uint64_t off = 2 * MiB;
+    struct mem_backing_gate *g;
+    struct mem_backing_stats ms;
+    struct bcf_req_stats rs;
+    struct writer w1, w2, w3;
+    pthread_t t1, t2, t3;
+
+    fx_init (&f, "absorb.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+    if (warm == WARM_CLEAN) {
+      ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+      ck_assert (cached (&f, off, sizeof got));
+    }
+    if (warm == WARM_DIRTY) {
+      pattern (a, sizeof a, 0xc3);
+      crash_with_dirty (&f, a, sizeof a, off);
+      ck_assert (cached (&f, off, sizeof got));
+    }
+    pattern (a, sizeof a, 0xa1);
+    pattern (b, sizeof b, 0xb2);
+    pattern (c, sizeof c, 0xc3 + 1);
+    mem_backing_reset_stats (f.mb);
+    g = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                              off, sizeof a);
+    w1 = (struct writer) { .f = &f, .buf = a, .len = sizeof a, .off = off };
+    ck_assert_int_eq (pthread_create (&t1, NULL, writer_thread, &w1), 0);
+    ck_assert (mem_backing_gate_wait_hit (g, 10000));
+    w2 = (struct writer) { .f = &f, .buf = b, .len = 8192, .off = off + 4096 };
+    ck_assert_int_eq (pthread_create (&t2, NULL, writer_thread, &w2), 0);
+    wait_for_waiting_writes (&f, 1, 0);
+    w3 = (struct writer) { .f = &f, .buf = c, .len = sizeof c, .off = off };
+    ck_assert_int_eq (pthread_create (&t3, NULL, writer_thread, &w3), 0);
+    wait_for_waiting_writes (&f, 1, 1);
+    bcf_req_get_stats (f.r, &rs);
+    ck_assert_msg (rs.write_absorbed == 1, "W3 did not stand in for W2 "
+                   "(write_absorbed %" PRIu64 ", held %d)", rs.write_absorbed,
+                   (int) warm);
+    mem_backing_gate_release (g);
+    pthread_join (t2, NULL);
+    ck_assert_int_eq (w2.result, 0);
+    /* W2 is acknowledged: W3's data, over all of W2's, is in. */
+    mem_backing_peek (f.mb, got, sizeof got, off);
+    ck_assert_msg (memcmp (got, c, sizeof got) == 0, "W2 returned before "
+                   "W3's data reached the backing store (held %d)",
+                   (int) warm);
+    pthread_join (t1, NULL);
+    pthread_join (t3, NULL);
+    ck_assert_int_eq (w1.result, 0);
+    ck_assert_int_eq (w3.result, 0);
+    mem_backing_get_stats (f.mb, &ms);
+    ck_assert_uint_eq (ms.writes, 2);
+    bcf_req_drain (f.r);
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert_msg (memcmp (got, c, sizeof got) == 0, "the cache and the "
+                   "backing store disagree (held %d)", (int) warm);
+    fx_close (&f);
+    fx_open (&f);
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
+    ck_assert (memcmp (got, c, sizeof got) == 0);
+    fx_free (&f);
+  }
+}
+END_TEST
+
 /* Writethrough caches what it writes; a lone write is inserted clean. */
 START_TEST (writethrough_caches_writes)
 {
@@ -1462,6 +1559,252 @@ START_TEST (threaded_random)
 }
 END_TEST
 
+/* Writes racing over a few hot blocks, as a VM's filesystem rewrites its
+ * journal and bitmaps: threads write 1 to 4 whole blocks (some FUA) and
+ * read, all inside 8 blocks, with a slow backing store, so that writes
+ * queue behind each other and later ones stand in for earlier ones
+ * (write_absorbed).  Every block must then read as one write left it
+ * whole (each block carries its writer's tag), the cache and the backing
+ * store must agree, and so after a restart; and the write a block holds
+ * must not be older than one that began after it had returned (a logical
+ * clock orders the calls and returns).  Then the same in writeback mode,
+ * written back at the end.  An absorption that let a write return
+ * before its absorber landed, or stood in for a block it did not cover,
+ * breaks the last check. */
+#define HOT_BLOCKS 8u
+#define HOT_OPS 400u
+#define HOT_INITIAL (UINT64_C (0xffff) << 48)   /* tag of the first data */
+
+struct hot_write {
+  uint64_t start, end;          /* the clock at the call and at its return */
+  unsigned blk, nb;
+  bool read;                    /* a read, which got tags[] */
+  uint64_t tags[4];
+};
+
+struct hot_writer {
+  struct fx *f;
+  unsigned id, round;
+  uint64_t rng;
+  struct hot_write log[HOT_OPS];        /* by op; nb 0: not a write */
+  char failure[256];
+};
+
+static _Atomic uint64_t hot_clock;
+
+/* Block of tag: the tag in every 8 bytes. */
+static void
+hot_fill (uint8_t *p, uint64_t tag)
+{
+  for (unsigned i = 0; i < BLOCK; i += 8)
+    memcpy (p + i, &tag, 8);
+}
+
+static bool
+hot_block_whole (const uint8_t *p)
+{
+  uint64_t tag;
+
+  memcpy (&tag, p, 8);
+  for (unsigned i = 8; i < BLOCK; i += 8)
+    if (memcmp (p + i, &tag, 8) != 0)
+      return false;
+  return true;
+}
+
+static void *
+hot_writer_run (void *arg)
+{
+  struct hot_writer *w = arg;
+  static __thread uint8_t buf[4 * BLOCK];
+
+  for (unsigned op = 0; op < HOT_OPS && !w->failure[0]; op++) {
+    uint64_t x = w->rng = w->rng * 6364136223846793005ull + 1442695040888963407ull;
+    unsigned blk = (unsigned) ((x >> 33) % HOT_BLOCKS);
+    unsigned nb = 1 + (unsigned) ((x >> 40) % 4);
+    bool fua = (x >> 50) % 8 == 0;
+    int r;
+
+    if (blk + nb > HOT_BLOCKS)
+      nb = HOT_BLOCKS - blk;
+    if ((x >> 45) % 4 == 0) {
+      w->log[op].start = atomic_fetch_add (&hot_clock, 1) + 1;
+      r = bcf_req_read (w->f->r, &w->f->b, buf, nb * BLOCK, blk * BLOCK);
+      w->log[op].end = atomic_fetch_add (&hot_clock, 1) + 1;
+      for (unsigned i = 0; r == 0 && i < nb; i++) {
+        if (!hot_block_whole (buf + i * BLOCK))
+          snprintf (w->failure, sizeof w->failure, "thread %u op %u: block "
+                    "%u reads torn", w->id, op, blk + i);
+        memcpy (&w->log[op].tags[i], buf + i * BLOCK, 8);
+      }
+      w->log[op].read = r == 0;
+      w->log[op].blk = blk;
+      w->log[op].nb = r == 0 ? nb : 0;
+    }
+    else {
+      for (unsigned i = 0; i < nb; i++)
+        hot_fill (buf + i * BLOCK, ((uint64_t) w->id << 48) |
+                  ((uint64_t) w->round << 40) | ((uint64_t) op << 8) |
+                  (blk + i));
+      w->log[op].start = atomic_fetch_add (&hot_clock, 1) + 1;
+      r = bcf_req_write (w->f->r, &w->f->b, buf, nb * BLOCK, blk * BLOCK,
+                         fua);
+      w->log[op].end = atomic_fetch_add (&hot_clock, 1) + 1;
+      w->log[op].blk = blk;
+      w->log[op].nb = nb;
+    }
+    if (r < 0 && !w->failure[0])
+      snprintf (w->failure, sizeof w->failure, "thread %u op %u: %s", w->id,
+                op, strerror (-r));
+  }
+  return NULL;
+}
+
+/* The cache (through the request layer) and the backing store agree on
+ * every hot block, and each is whole. */
+static void
+hot_check (struct fx *f, const char *when)
+{
+  static uint8_t got[HOT_BLOCKS * BLOCK], back[HOT_BLOCKS * BLOCK];
+
+  ck_assert_int_eq (bcf_req_read (f->r, &f->b, got, sizeof got, 0), 0);
+  mem_backing_peek (f->mb, back, sizeof back, 0);
+  for (unsigned i = 0; i < HOT_BLOCKS; i++) {
+    ck_assert_msg (hot_block_whole (got + i * BLOCK), "%s: block %u reads "
+                   "torn (seed %u)", when, i, seed);
+    ck_assert_msg (memcmp (got + i * BLOCK, back + i * BLOCK, BLOCK) == 0,
+                   "%s: block %u: the cache and the backing store disagree "
+                   "(seed %u)", when, i, seed);
+  }
+}
+
+/* Block b read tag at clock `at` (UINT64_MAX: at the end): the tag must
+ * be one a write of the round put there, or the block's tag before the
+ * round (first[b], which counts as written at clock 0), and no write of
+ * b may lie wholly between the tag's write returning and `at` (that
+ * write would have replaced it). */
+static void
+hot_check_tag (const struct hot_writer *w, const uint64_t *first, unsigned b,
+               uint64_t tag, uint64_t at, const char *when)
+{
+  uint64_t held_end = 0;
+
+  if (tag != first[b]) {
+    const struct hot_write *h;
+
+    ck_assert_msg ((tag >> 48) < THREADS &&
+                   ((tag >> 40) & 0xff) == w[0].round &&
+                   ((tag >> 8) & 0xffffffff) < HOT_OPS,
+                   "%s: block %u reads tag %" PRIx64 " (seed %u)", when, b,
+                   tag, seed);
+    h = &w[tag >> 48].log[(tag >> 8) & 0xffffffff];
+    ck_assert_msg (!h->read && h->nb > 0 && h->blk <= b &&
+                   b < h->blk + h->nb, "%s: block %u reads tag %" PRIx64
+                   ", which no write put there (seed %u)", when, b, tag,
+                   seed);
+    held_end = h->end;
+  }
+  for (unsigned i = 0; i < THREADS; i++)
+    for (unsigned op = 0; op < HOT_OPS; op++) {
+      const struct hot_write *x = &w[i].log[op];
+      ck_assert_msg (!(!x->read && x->nb > 0 && x->blk <= b &&
+                       b < x->blk + x->nb && x->start > held_end &&
+                       x->end < at),
+                     "%s: block %u reads tag %" PRIx64 ", older than thread "
+                     "%u's write %u, which began after that tag's write had "
+                     "returned and returned before the read began (seed %u)",
+                     when, b, tag, i, op, seed);
+    }
+}
+
+/* Every read of the round, and the blocks at the end. */
+static void
+hot_check_newest (struct fx *f, const struct hot_writer *w,
+                  const uint64_t *first, const char *when)
+{
+  static uint8_t back[HOT_BLOCKS * BLOCK];
+
+  for (unsigned i = 0; i < THREADS; i++)
+    for (unsigned op = 0; op < HOT_OPS; op++) {
+      const struct hot_write *x = &w[i].log[op];
+      for (unsigned k = 0; x->read && k < x->nb; k++)
+        hot_check_tag (w, first, x->blk + k, x->tags[k], x->start, when);
+    }
+  mem_backing_peek (f->mb, back, sizeof back, 0);
+  for (unsigned b = 0; b < HOT_BLOCKS; b++) {
+    uint64_t tag;
+
+    memcpy (&tag, back + b * BLOCK, 8);
+    hot_check_tag (w, first, b, tag, UINT64_MAX, when);
+  }
+}
+
+static void
+hot_round (struct fx *f, unsigned round, bool writeback)
+{
+  static struct hot_writer w[THREADS];
+  static uint8_t back[HOT_BLOCKS * BLOCK];
+  uint64_t first[HOT_BLOCKS];
+  pthread_t t[THREADS];
+
+  mem_backing_peek (f->mb, back, sizeof back, 0);
+  for (unsigned b = 0; b < HOT_BLOCKS; b++)
+    memcpy (&first[b], back + b * BLOCK, 8);
+  for (unsigned i = 0; i < THREADS; i++) {
+    memset (&w[i], 0, sizeof w[i]);
+    w[i].f = f;
+    w[i].id = i;
+    w[i].round = round;
+    w[i].rng = seed * 977ull + round * 31 + i + 1;
+    ck_assert_int_eq (pthread_create (&t[i], NULL, hot_writer_run, &w[i]),
+                      0);
+  }
+  for (unsigned i = 0; i < THREADS; i++) {
+    pthread_join (t[i], NULL);
+    ck_assert_msg (!w[i].failure[0], "%s (seed %u)", w[i].failure, seed);
+  }
+  if (writeback)
+    ck_assert_int_eq (bcf_req_writeback (f->r, &f->b), 0);
+  bcf_req_drain (f->r);
+  hot_check (f, writeback ? "writeback, written back" : "writethrough");
+  hot_check_newest (f, w, first, writeback ? "writeback" : "writethrough");
+}
+
+START_TEST (hot_block_writes)
+{
+  struct fx f;
+  static uint8_t zero[HOT_BLOCKS * BLOCK];
+  struct bcf_req_stats rs;
+
+  fx_init (&f, "hot.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  for (unsigned i = 0; i < HOT_BLOCKS; i++)
+    hot_fill (zero + i * BLOCK, HOT_INITIAL | i);
+  mem_backing_poke (f.mb, zero, sizeof zero, 0);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  mem_backing_set_write_latency (f.mb, 200);
+  hot_round (&f, 0, false);
+  bcf_req_get_stats (f.r, &rs);
+  printf ("hot_block_writes: writethrough: %" PRIu64 " writes waited, %"
+          PRIu64 " absorbed\n", rs.write_waits, rs.write_absorbed);
+  /* 4 threads on 8 blocks with 200 us backing writes: writes queue. */
+  ck_assert_uint_gt (rs.write_absorbed, 0);
+  fx_close (&f);
+  fx_open (&f);
+  hot_check (&f, "writethrough, after a restart");
+
+  ck_assert_int_eq (bcf_req_set_mode (f.r, BCF_MODE_WRITEBACK), 0);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  hot_round (&f, 1, true);
+  bcf_req_get_stats (f.r, &rs);
+  printf ("hot_block_writes: writeback: %" PRIu64 " writes waited, %"
+          PRIu64 " absorbed\n", rs.write_waits, rs.write_absorbed);
+  fx_close (&f);
+  fx_open (&f);
+  hot_check (&f, "writeback, after a restart");
+  fx_free (&f);
+}
+END_TEST
+
 /* GC's slice rule (core/gc.c): while a client request is in the engine,
  * a slice walks nodes_min nodes; when none is, max(nodes_min, nodes /
  * idle_div).  The rule's constants are lowered (1 and 4) so that a tree
@@ -1710,6 +2053,7 @@ request_suite (void)
   ADD (miss_before_write_collides);
   ADD (miss_next_to_write_cached);
   ADD (overlapping_writethrough_writes);
+  ADD (waiting_write_absorbed);
   ADD (dirty_keys_written_back_after_crash);
   ADD (write_over_clean_crash);
   ADD (write_over_clean_fails);
@@ -1728,6 +2072,7 @@ request_suite (void)
   ADD (unforgettable_write_fails_in_passthrough);
   ADD (fill_queue_full_drops);
   ADD (threaded_random);
+  ADD (hot_block_writes);
   ADD (gc_slices_shrink_under_load);
   ADD (sequential_bypass_policy);
   ADD (congestion_bypass);
