@@ -114,7 +114,9 @@ bcf_cache_open (const struct bcf_cache_opts *opts, struct bcf_cache **cp,
     bcf_log (c, BCF_LOG_INFO, "%s", bcf_io_notice (c->io));
 
   pthread_mutex_lock (&c->ckpt_lock);
+  c->ckpt_held_by_open = true;
   r = super_open (c, err, errlen);
+  c->ckpt_held_by_open = false;
   pthread_mutex_unlock (&c->ckpt_lock);
   if (r < 0)
     goto fail;

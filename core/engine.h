@@ -579,6 +579,11 @@ struct bcf_cache {
   uint64_t tree_locked_ns;        /* when the writer holding tree_lock took
                                      it (tree_wrlock; only it touches it) */
   pthread_mutex_t ckpt_lock;
+  /* bcf_cache_open holds ckpt_lock across super_open, alone (no other
+   * thread uses the cache yet): a checkpoint it needs on the way is made
+   * under that hold (journal.c, checkpoint_for_room).  Written only by
+   * the opener, with ckpt_lock held. */
+  bool ckpt_held_by_open;
   pthread_mutex_t super_lock;
   struct btree tree;
   struct alloc_state alloc;

@@ -329,6 +329,26 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   return r;
 }
 
+/* A checkpoint that frees journal space, under ckpt_lock.  The open holds
+ * that lock across all of super_open, alone (no background thread, no
+ * client yet), and its own metadata work can fill the journal (the
+ * write-intent recovery journals a whiteout per clean key it drops, up
+ * to a region's worth): then the checkpoint is made under the open's
+ * hold, since taking the lock again would wait for ever
+ * (test_intent_recover_fills_journal). */
+static int
+checkpoint_for_room (struct bcf_cache *c)
+{
+  int r;
+
+  if (c->ckpt_held_by_open)
+    return btree_checkpoint (c);
+  pthread_mutex_lock (&c->ckpt_lock);
+  r = btree_checkpoint (c);
+  pthread_mutex_unlock (&c->ckpt_lock);
+  return r;
+}
+
 /* Make every entry up to seq durable.  meta: the caller commits metadata
  * (holds ckpt_lock): write the open entry even if it holds no keys, and
  * use the journal's reserve.  An ordinary write that finds no room commits
@@ -360,9 +380,7 @@ flush_seq (struct bcf_cache *c, uint64_t seq, bool meta)
     r = journal_write_locked (c, meta);
     if (r == -ENOSPC && !meta && checkpoints++ < 3) {
       pthread_mutex_unlock (&j->lock);
-      pthread_mutex_lock (&c->ckpt_lock);
-      r = btree_checkpoint (c);
-      pthread_mutex_unlock (&c->ckpt_lock);
+      r = checkpoint_for_room (c);
       pthread_mutex_lock (&j->lock);
       if (r == 0)
         continue;

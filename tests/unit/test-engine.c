@@ -560,6 +560,139 @@ START_TEST (test_intent_recover_evicted)
 }
 END_TEST
 
+/* Open the fixture's cache on a thread, waiting at most 60 s: an open
+ * that hangs fails the test instead of hanging it. */
+struct bounded_open {
+  struct fixture *f;
+  char err[512];
+  int r;
+  bool done;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+};
+
+static void *
+bounded_open_run (void *arg)
+{
+  struct bounded_open *o = arg;
+  struct bcf_cache *c = NULL;
+  int r = bcf_cache_open (&o->f->opts, &c, o->err, sizeof o->err);
+
+  pthread_mutex_lock (&o->lock);
+  o->f->c = c;
+  o->r = r;
+  o->done = true;
+  pthread_cond_signal (&o->cond);
+  pthread_mutex_unlock (&o->lock);
+  return NULL;
+}
+
+static void
+fixture_open_bounded (struct fixture *f, const char *what)
+{
+  static struct bounded_open o;     /* a hung thread may still use it */
+  struct timespec deadline;
+  pthread_t t;
+
+  memset (&o, 0, sizeof o);
+  o.f = f;
+  pthread_mutex_init (&o.lock, NULL);
+  pthread_cond_init (&o.cond, NULL);
+  ck_assert_int_eq (pthread_create (&t, NULL, bounded_open_run, &o), 0);
+  clock_gettime (CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += 60;
+  pthread_mutex_lock (&o.lock);
+  while (!o.done &&
+         pthread_cond_timedwait (&o.cond, &o.lock, &deadline) != ETIMEDOUT)
+    ;
+  ck_assert_msg (o.done, "%s: the open did not return within 60 s", what);
+  pthread_mutex_unlock (&o.lock);
+  pthread_join (t, NULL);
+  ck_assert_msg (o.r == 0, "%s: bcf_cache_open: %s (%s)", what, o.err,
+                 strerror (-o.r));
+}
+
+/* Write-intent recovery at open drops the clean keys of each marked
+ * region with a journalled whiteout each; the open holds ckpt_lock the
+ * whole time.  When those whiteouts fill the journal (a small cache,
+ * many clean keys in a marked region, a journal not tight enough for
+ * the open to have committed the replayed tree first), making room
+ * needs a checkpoint: it took ckpt_lock again and the open hung for
+ * ever (the kill -9 soak, TEST_SEED=49365, round 8: no control socket,
+ * every connection reset). */
+/* The cache of test_intent_recover_fills_journal, up to the crash:
+ * nkeys clean blocks of region 0 (every other block: no neighbours, one
+ * key each), committed; region 0 marked by a write over cached data;
+ * then `entries` journal entries (durable inserts in region 1), or with
+ * entries 0 as many as it takes for the journal to count as tight,
+ * their number in *tight_at. */
+static void
+intent_fill_setup (struct fixture *f, uint64_t nkeys, uint64_t entries,
+                   uint64_t *tight_at)
+{
+  struct bcf_write w;
+  uint8_t *data = calloc (1, BLOCK);
+  const uint64_t far = 16 << 20;
+  uint64_t n = 0;
+
+  fixture_init (f, "intent-fill.img", 32 << 20, 8 << 20, 16);
+  f->opts.direct_off = true;            /* the crash model works on files */
+  fixture_open (f);
+  for (uint64_t i = 1; i <= nkeys; i++)
+    ck_assert_int_eq (bcf_insert (f->c, 2 * i * BLOCK, BLOCK, data, false,
+                                  false), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f->c), 0);
+  ck_assert_int_eq (bcf_insert (f->c, 0, BLOCK, data, false, true), 0);
+  ck_assert_int_eq (bcf_write_begin (f->c, 0, BLOCK, data, &w), 0);
+  ck_assert (w.intent);
+  ck_assert_int_eq (bcf_write_mark_clean (f->c, &w), BLOCK);
+  bcf_write_release (f->c, &w);
+  while (entries ? n < entries : !journal_tight (f->c)) {
+    ck_assert_int_eq (bcf_insert (f->c, far + n * BLOCK, BLOCK, data, false,
+                                  true), 0);
+    ck_assert_uint_lt (++n, 4096);
+  }
+  if (tight_at)
+    *tight_at = n;
+  free (data);
+}
+
+START_TEST (test_intent_recover_fills_journal)
+{
+  struct fixture f;
+  struct bcf_extent e;
+  struct bcf_cache_stats st;
+  const uint64_t nkeys = 1200;
+  uint64_t tight_at;
+  unsigned got;
+
+  /* How many entries make the journal tight; then one fewer, so that
+   * the open does not commit the replayed tree before the recovery, and
+   * the recovery's whiteouts find the journal nearly full. */
+  intent_fill_setup (&f, nkeys, 0, &tight_at);
+  fixture_free (&f);
+  ck_assert_uint_gt (tight_at, 1);
+  intent_fill_setup (&f, nkeys, tight_at - 1, NULL);
+  ck_assert (!journal_tight (f.c));
+  bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  f.c = NULL;
+
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open_bounded (&f, "reopen after the crash");
+  bcf_cache_stats (f.c, &st);
+  ck_assert_msg (st.intent_dropped >= nkeys, "the open dropped %" PRIu64
+                 " clean extents of the marked region, not %" PRIu64,
+                 st.intent_dropped, nkeys);
+  for (uint64_t i = 1; i <= nkeys; i++) {
+    ck_assert_int_eq (bcf_lookup (f.c, 2 * i * BLOCK, BLOCK, &e, 1, &got),
+                      0);
+    ck_assert (got == 1 && e.kind == BCF_EXTENT_MISS);
+  }
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_free (&f);
+}
+END_TEST
+
 /* A dirty write that finds no room changes nothing (bcf_write_begin
  * drops no older dirty data: the request path writes it back first), and
  * the invalidation that follows must be durable to survive a crash:
@@ -2183,6 +2316,7 @@ engine_suite (void)
        test_intent_bit_not_behind_checkpoint);
   add (s, "open_after_crash_in_reserve", test_open_after_crash_in_reserve);
   add (s, "intent_recover_evicted", test_intent_recover_evicted);
+  add (s, "intent_recover_fills_journal", test_intent_recover_fills_journal);
   add (s, "nospace_write_invalidates_durably",
        test_nospace_write_invalidates_durably);
   {
