@@ -672,7 +672,8 @@ if stats:
           "for hits and rmw, minus those of the warm-up:\n")
     keys = ("cache_hits", "cache_misses", "cache_bypass_hits", "cache_bypass_misses",
             "cache_miss_collisions", "cache_read_races", "bypassed",
-            "write_inserts", "write_collisions", "write_waits", "fills_dropped",
+            "write_inserts", "write_collisions", "write_waits", "write_absorbed",
+            "fills_dropped",
             "export_flushes")
     def get(f):
         return bcfstats.load(os.path.join(outdir, f)) or {}
