@@ -222,7 +222,10 @@ struct bg_writer {
   uint64_t off, len;
   struct bcf_bypass_token tok;
   pthread_t th;
-  atomic_bool turned;
+  atomic_bool turned;           /* its wait returned */
+  bool client;                  /* a client write (wait_turn_write) ... */
+  bool absorbed;                /* ... that a later one stood in for */
+  int rc;                       /* ... with this result */
 };
 
 static void *
@@ -230,23 +233,44 @@ bg_writer_run (void *arg)
 {
   struct bg_writer *w = arg;
 
-  bcf_bypass_wait_turn (w->t, &w->tok);
+  if (w->client)
+    w->absorbed = bcf_bypass_wait_turn_write (w->t, &w->tok, &w->rc);
+  else
+    bcf_bypass_wait_turn (w->t, &w->tok);
   atomic_store (&w->turned, true);
   return NULL;
 }
 
 /* Register now (in this thread, so the order is known), wait for the
- * turn in the background. */
+ * turn in the background; a client write with flags. */
 static void
-bg_writer_start (struct bg_writer *w, struct bcf_bypass *t, uint64_t off,
-                 uint64_t len)
+bg_writer_launch (struct bg_writer *w, struct bcf_bypass *t, uint64_t off,
+                  uint64_t len, bool client, unsigned flags)
 {
   memset (w, 0, sizeof *w);
   w->t = t;
   w->off = off;
   w->len = len;
-  bcf_bypass_begin (t, off, len, &w->tok);
+  w->client = client;
+  if (client)
+    bcf_bypass_begin_write (t, off, len, flags, &w->tok);
+  else
+    bcf_bypass_begin (t, off, len, &w->tok);
   ck_assert_int_eq (pthread_create (&w->th, NULL, bg_writer_run, w), 0);
+}
+
+static void
+bg_writer_start (struct bg_writer *w, struct bcf_bypass *t, uint64_t off,
+                 uint64_t len)
+{
+  bg_writer_launch (w, t, off, len, false, 0);
+}
+
+static void
+bg_write_start (struct bg_writer *w, struct bcf_bypass *t, uint64_t off,
+                uint64_t len, unsigned flags)
+{
+  bg_writer_launch (w, t, off, len, true, flags);
 }
 
 static bool
@@ -318,45 +342,6 @@ END_TEST
 
 /* ---- Absorption --------------------------------------------------------- */
 
-/* A client write waiting for its turn in the background
- * (bcf_bypass_wait_turn_write), registered in this thread. */
-struct bg_write {
-  struct bcf_bypass *t;
-  struct bcf_bypass_token tok;
-  pthread_t th;
-  atomic_bool returned;
-  bool absorbed;
-  int rc;
-};
-
-static void *
-bg_write_run (void *arg)
-{
-  struct bg_write *w = arg;
-
-  w->absorbed = bcf_bypass_wait_turn_write (w->t, &w->tok, &w->rc);
-  atomic_store (&w->returned, true);
-  return NULL;
-}
-
-static void
-bg_write_start (struct bg_write *w, struct bcf_bypass *t, uint64_t off,
-                uint64_t len, unsigned flags)
-{
-  memset (w, 0, sizeof *w);
-  w->t = t;
-  bcf_bypass_begin_write (t, off, len, flags, &w->tok);
-  ck_assert_int_eq (pthread_create (&w->th, NULL, bg_write_run, w), 0);
-}
-
-static bool
-bg_write_returned_within (struct bg_write *w, unsigned ms)
-{
-  for (unsigned i = 0; i < ms && !atomic_load (&w->returned); i++)
-    usleep (1000);
-  return atomic_load (&w->returned);
-}
-
 /* Wait (up to 10 s) until n writes wait for their turn and `absorbed`
  * writes have been absorbed in all (an absorbed write no longer waits
  * for its turn, only for its absorber). */
@@ -378,7 +363,7 @@ START_TEST (test_absorption)
 {
   struct bcf_bypass *t = bcf_bypass_new (TiB);
   struct bcf_bypass_token v;
-  struct bg_write p, a, b;
+  struct bg_writer p, a, b;
 
   bcf_bypass_begin_write (t, 0, 8192, BCF_BYPASS_ABSORB, &v);
   ck_assert (!bcf_bypass_wait_turn_write (t, &v, &(int) { 0 }));
@@ -391,25 +376,25 @@ START_TEST (test_absorption)
   /* B, a FUA write, covers A: takes A over. */
   bg_write_start (&b, t, 0, 8192, BCF_BYPASS_ABSORB | BCF_BYPASS_FUA);
   wait_for (t, 1, 2);
-  ck_assert (!bg_write_returned_within (&p, 20));
-  ck_assert (!bg_write_returned_within (&a, 20));
-  ck_assert (!bg_write_returned_within (&b, 20));
+  ck_assert (!bg_writer_turned_within (&p, 20));
+  ck_assert (!bg_writer_turned_within (&a, 20));
+  ck_assert (!bg_writer_turned_within (&b, 20));
   /* v ends: B's turn (P and A count as done); P and A still wait. */
   bcf_bypass_end_write (t, &v, 0);
-  ck_assert (bg_write_returned_within (&b, 10000));
+  ck_assert (bg_writer_turned_within (&b, 10000));
   pthread_join (b.th, NULL);
   ck_assert (!b.absorbed);
-  ck_assert (!bg_write_returned_within (&a, 50));
-  ck_assert (!bg_write_returned_within (&p, 1));
+  ck_assert (!bg_writer_turned_within (&a, 50));
+  ck_assert (!bg_writer_turned_within (&p, 1));
   /* B ends with 42: A completes with it, and P when A ends. */
   bcf_bypass_end_write (t, &b.tok, 42);
-  ck_assert (bg_write_returned_within (&a, 10000));
+  ck_assert (bg_writer_turned_within (&a, 10000));
   pthread_join (a.th, NULL);
   ck_assert (a.absorbed);
   ck_assert_int_eq (a.rc, 42);
-  ck_assert (!bg_write_returned_within (&p, 50));
+  ck_assert (!bg_writer_turned_within (&p, 50));
   bcf_bypass_end_write (t, &a.tok, a.rc);
-  ck_assert (bg_write_returned_within (&p, 10000));
+  ck_assert (bg_writer_turned_within (&p, 10000));
   pthread_join (p.th, NULL);
   ck_assert (p.absorbed);
   ck_assert_int_eq (p.rc, 42);
@@ -434,14 +419,14 @@ START_TEST (test_absorption)
     bcf_bypass_end_write (t, &v, 0);
     ck_assert (bg_writer_turned_within (&barrier, 10000));
     pthread_join (barrier.th, NULL);
-    ck_assert (!bg_write_returned_within (&a, 20));
+    ck_assert (!bg_writer_turned_within (&a, 20));
     bcf_bypass_end (t, &barrier.tok);
-    ck_assert (bg_write_returned_within (&a, 10000));
+    ck_assert (bg_writer_turned_within (&a, 10000));
     pthread_join (a.th, NULL);
     ck_assert (!a.absorbed);
-    ck_assert (!bg_write_returned_within (&p, 20));
+    ck_assert (!bg_writer_turned_within (&p, 20));
     bcf_bypass_end_write (t, &a.tok, 7);
-    ck_assert (bg_write_returned_within (&p, 10000));
+    ck_assert (bg_writer_turned_within (&p, 10000));
     pthread_join (p.th, NULL);
     ck_assert (p.absorbed);
     ck_assert_int_eq (p.rc, 7);
@@ -459,7 +444,7 @@ START_TEST (test_absorption_limits)
 {
   struct bcf_bypass *t = bcf_bypass_new (TiB);
   struct bcf_bypass_token v;
-  struct bg_write f, n, x, a;
+  struct bg_writer f, n, x, a;
 
   bcf_bypass_begin_write (t, 0, 8192, BCF_BYPASS_ABSORB, &v);
   ck_assert (!bcf_bypass_wait_turn_write (t, &v, &(int) { 0 }));
@@ -473,16 +458,16 @@ START_TEST (test_absorption_limits)
   wait_for (t, 4, 0);
   /* Each gets its own turn, in order. */
   bcf_bypass_end_write (t, &v, 0);
-  ck_assert (bg_write_returned_within (&f, 10000));
-  ck_assert (!bg_write_returned_within (&n, 20));
+  ck_assert (bg_writer_turned_within (&f, 10000));
+  ck_assert (!bg_writer_turned_within (&n, 20));
   bcf_bypass_end_write (t, &f.tok, 0);
-  ck_assert (bg_write_returned_within (&n, 10000));
-  ck_assert (!bg_write_returned_within (&a, 20));
+  ck_assert (bg_writer_turned_within (&n, 10000));
+  ck_assert (!bg_writer_turned_within (&a, 20));
   bcf_bypass_end_write (t, &n.tok, 0);
-  ck_assert (bg_write_returned_within (&x, 10000));
-  ck_assert (!bg_write_returned_within (&a, 20));
+  ck_assert (bg_writer_turned_within (&x, 10000));
+  ck_assert (!bg_writer_turned_within (&a, 20));
   bcf_bypass_end_write (t, &x.tok, 0);
-  ck_assert (bg_write_returned_within (&a, 10000));
+  ck_assert (bg_writer_turned_within (&a, 10000));
   bcf_bypass_end_write (t, &a.tok, 0);
   pthread_join (f.th, NULL);
   pthread_join (n.th, NULL);

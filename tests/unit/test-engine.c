@@ -484,6 +484,72 @@ START_TEST (test_intent_bit_not_behind_checkpoint)
 }
 END_TEST
 
+/* After the open that followed the crash of intent_fill_setup's cache:
+ * every one of the nkeys clean blocks of the marked region is gone. */
+static void
+check_region_dropped (struct fixture *f, uint64_t nkeys)
+{
+  struct bcf_cache_stats st;
+  struct bcf_extent e;
+  unsigned got;
+
+  bcf_cache_stats (f->c, &st);
+  ck_assert_msg (st.intent_dropped >= nkeys, "the open dropped %" PRIu64
+                 " clean extents of the marked region, not %" PRIu64,
+                 st.intent_dropped, nkeys);
+  for (uint64_t i = 1; i <= nkeys; i++) {
+    ck_assert_int_eq (bcf_lookup (f->c, 2 * i * BLOCK, BLOCK, &e, 1, &got),
+                      0);
+    ck_assert_msg (got == 1 && e.kind == BCF_EXTENT_MISS, "block %" PRIu64
+                   " of the marked region is still cached after the crash",
+                   2 * i);
+  }
+}
+
+/* The cache of the write-intent recovery tests, up to the crash:
+ * nkeys clean blocks of region 0 (every other block: no neighbours, one
+ * key each), committed; region 0 marked by a write over cached data;
+ * then `entries` journal entries (durable inserts in region 1), or with
+ * entries 0 as many as it takes for the journal to count as tight,
+ * their number in *tight_at.  evict: a node cache so small that every
+ * clean leaf is evicted (the clean keys span several leaves). */
+static void
+intent_fill_setup (struct fixture *f, uint64_t nkeys, uint64_t entries,
+                   uint64_t *tight_at, bool evict)
+{
+  struct bcf_write w;
+  struct bcf_cache_stats st;
+  uint8_t *data = calloc (1, BLOCK);
+  const uint64_t far = 16 << 20;
+  uint64_t n = 0;
+
+  fixture_init (f, "intent-fill.img", 32 << 20, 8 << 20, 16);
+  f->opts.direct_off = true;            /* the crash model works on files */
+  if (evict)
+    f->opts.node_cache_bytes = 1;
+  fixture_open (f);
+  for (uint64_t i = 1; i <= nkeys; i++)
+    ck_assert_int_eq (bcf_insert (f->c, 2 * i * BLOCK, BLOCK, data, false,
+                                  false), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f->c), 0);
+  bcf_cache_stats (f->c, &st);
+  ck_assert_uint_gt (st.btree_nodes, 3);
+  /* A write over cached data: ordered, so it marks region 0. */
+  ck_assert_int_eq (bcf_insert (f->c, 0, BLOCK, data, false, true), 0);
+  ck_assert_int_eq (bcf_write_begin (f->c, 0, BLOCK, data, &w), 0);
+  ck_assert (w.intent);
+  ck_assert_int_eq (bcf_write_mark_clean (f->c, &w), BLOCK);
+  bcf_write_release (f->c, &w);
+  while (entries ? n < entries : !journal_tight (f->c)) {
+    ck_assert_int_eq (bcf_insert (f->c, far + n * BLOCK, BLOCK, data, false,
+                                  true), 0);
+    ck_assert_uint_lt (++n, 4096);
+  }
+  if (tight_at)
+    *tight_at = n;
+  free (data);
+}
+
 /* Write-intent recovery must see every mark and every clean key of a
  * marked region, whether or not their leaves are in memory.  An open
  * after a crash that left the journal tight commits the replayed tree
@@ -495,57 +561,20 @@ END_TEST
 START_TEST (test_intent_recover_evicted)
 {
   struct fixture f;
-  struct bcf_write w;
   struct bcf_extent e;
-  struct bcf_cache_stats st;
-  uint8_t *data = calloc (1, BLOCK);
-  const uint64_t nkeys = 1200, far = 16 << 20;
-  uint64_t n = 0;
+  const uint64_t nkeys = 1200;
   unsigned got;
 
-  fixture_init (&f, "intent-evict.img", 32 << 20, 8 << 20, 16);
-  f.opts.direct_off = true;             /* the crash model works on files */
-  f.opts.node_cache_bytes = 1;          /* every clean leaf is evicted */
-  fixture_open (&f);
-  /* Clean blocks in region 0, one key each (every other block, so no
-   * two are neighbours): several leaves, written by the checkpoint. */
-  for (uint64_t i = 1; i <= nkeys; i++)
-    ck_assert_int_eq (bcf_insert (f.c, 2 * i * BLOCK, BLOCK, data, false,
-                                  false), 0);
-  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
-  bcf_cache_stats (f.c, &st);
-  ck_assert_uint_gt (st.btree_nodes, 3);
-  /* A write over cached data: ordered, so it marks region 0. */
-  ck_assert_int_eq (bcf_insert (f.c, 0, BLOCK, data, false, true), 0);
-  ck_assert_int_eq (bcf_write_begin (f.c, 0, BLOCK, data, &w), 0);
-  ck_assert (w.intent);
-  ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), BLOCK);
-  bcf_write_release (f.c, &w);
-  ck_assert_uint_eq (intent_marked (f.c), 1);
   /* A journal without its reserve, so the next open checkpoints (and
-   * evicts) before it recovers the marks: an entry per durable insert,
-   * in region 1. */
-  while (!journal_tight (f.c)) {
-    ck_assert_int_eq (bcf_insert (f.c, far + n * BLOCK, BLOCK, data, false,
-                                  true), 0);
-    ck_assert_uint_lt (++n, 4096);
-  }
+   * evicts) before it recovers the marks. */
+  intent_fill_setup (&f, nkeys, 0, NULL, true);
+  ck_assert_uint_eq (intent_marked (f.c), 1);
   bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
   f.c = NULL;
 
   f.opts.format = BCF_FORMAT_NEVER;
   fixture_open (&f);
-  bcf_cache_stats (f.c, &st);
-  ck_assert_msg (st.intent_dropped >= nkeys, "the open dropped %" PRIu64
-                 " clean extents of the marked region, not %" PRIu64,
-                 st.intent_dropped, nkeys);
-  for (uint64_t i = 1; i <= nkeys; i++) {
-    ck_assert_int_eq (bcf_lookup (f.c, 2 * i * BLOCK, BLOCK, &e, 1, &got),
-                      0);
-    ck_assert_msg (got == 1 && e.kind == BCF_EXTENT_MISS, "block %" PRIu64
-                   " of the marked region is still cached after the crash",
-                   2 * i);
-  }
+  check_region_dropped (&f, nkeys);
   /* Block 0's write is back dirty (its clean mark was not journalled),
    * and kept; no mark is left. */
   ck_assert_int_eq (bcf_lookup (f.c, 0, BLOCK, &e, 1, &got), 0);
@@ -555,7 +584,6 @@ START_TEST (test_intent_recover_evicted)
     ck_assert_uint_eq (bcf_cache_intent_marks (f.c, 0, marks, 4), 0);
   }
   ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
-  free (data);
   fixture_free (&f);
 }
 END_TEST
@@ -620,74 +648,26 @@ fixture_open_bounded (struct fixture *f, const char *what)
  * needs a checkpoint: it took ckpt_lock again and the open hung for
  * ever (the kill -9 soak, TEST_SEED=49365, round 8: no control socket,
  * every connection reset). */
-/* The cache of test_intent_recover_fills_journal, up to the crash:
- * nkeys clean blocks of region 0 (every other block: no neighbours, one
- * key each), committed; region 0 marked by a write over cached data;
- * then `entries` journal entries (durable inserts in region 1), or with
- * entries 0 as many as it takes for the journal to count as tight,
- * their number in *tight_at. */
-static void
-intent_fill_setup (struct fixture *f, uint64_t nkeys, uint64_t entries,
-                   uint64_t *tight_at)
-{
-  struct bcf_write w;
-  uint8_t *data = calloc (1, BLOCK);
-  const uint64_t far = 16 << 20;
-  uint64_t n = 0;
-
-  fixture_init (f, "intent-fill.img", 32 << 20, 8 << 20, 16);
-  f->opts.direct_off = true;            /* the crash model works on files */
-  fixture_open (f);
-  for (uint64_t i = 1; i <= nkeys; i++)
-    ck_assert_int_eq (bcf_insert (f->c, 2 * i * BLOCK, BLOCK, data, false,
-                                  false), 0);
-  ck_assert_int_eq (bcf_cache_checkpoint (f->c), 0);
-  ck_assert_int_eq (bcf_insert (f->c, 0, BLOCK, data, false, true), 0);
-  ck_assert_int_eq (bcf_write_begin (f->c, 0, BLOCK, data, &w), 0);
-  ck_assert (w.intent);
-  ck_assert_int_eq (bcf_write_mark_clean (f->c, &w), BLOCK);
-  bcf_write_release (f->c, &w);
-  while (entries ? n < entries : !journal_tight (f->c)) {
-    ck_assert_int_eq (bcf_insert (f->c, far + n * BLOCK, BLOCK, data, false,
-                                  true), 0);
-    ck_assert_uint_lt (++n, 4096);
-  }
-  if (tight_at)
-    *tight_at = n;
-  free (data);
-}
-
 START_TEST (test_intent_recover_fills_journal)
 {
   struct fixture f;
-  struct bcf_extent e;
-  struct bcf_cache_stats st;
   const uint64_t nkeys = 1200;
   uint64_t tight_at;
-  unsigned got;
 
   /* How many entries make the journal tight; then one fewer, so that
    * the open does not commit the replayed tree before the recovery, and
    * the recovery's whiteouts find the journal nearly full. */
-  intent_fill_setup (&f, nkeys, 0, &tight_at);
+  intent_fill_setup (&f, nkeys, 0, &tight_at, false);
   fixture_free (&f);
   ck_assert_uint_gt (tight_at, 1);
-  intent_fill_setup (&f, nkeys, tight_at - 1, NULL);
+  intent_fill_setup (&f, nkeys, tight_at - 1, NULL, false);
   ck_assert (!journal_tight (f.c));
   bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
   f.c = NULL;
 
   f.opts.format = BCF_FORMAT_NEVER;
   fixture_open_bounded (&f, "reopen after the crash");
-  bcf_cache_stats (f.c, &st);
-  ck_assert_msg (st.intent_dropped >= nkeys, "the open dropped %" PRIu64
-                 " clean extents of the marked region, not %" PRIu64,
-                 st.intent_dropped, nkeys);
-  for (uint64_t i = 1; i <= nkeys; i++) {
-    ck_assert_int_eq (bcf_lookup (f.c, 2 * i * BLOCK, BLOCK, &e, 1, &got),
-                      0);
-    ck_assert (got == 1 && e.kind == BCF_EXTENT_MISS);
-  }
+  check_region_dropped (&f, nkeys);
   ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
   fixture_free (&f);
 }
