@@ -471,30 +471,20 @@ overlaps (const struct bcf_bypass_token *tok, uint64_t start, uint64_t end)
          tok->start < end && start < tok->end;
 }
 
-static void register_token (struct bcf_bypass *t, uint64_t offset,
-                            uint64_t len, struct bcf_bypass_token *tok);
-
 void
 bcf_bypass_begin (struct bcf_bypass *t, uint64_t offset, uint64_t len,
                   struct bcf_bypass_token *tok)
 {
-  tok->flags = 0;
-  register_token (t, offset, len, tok);
+  bcf_bypass_begin_write (t, offset, len, 0, tok);
 }
 
 void
 bcf_bypass_begin_write (struct bcf_bypass *t, uint64_t offset, uint64_t len,
                         unsigned flags, struct bcf_bypass_token *tok)
 {
-  tok->flags = flags;
-  register_token (t, offset, len, tok);
-}
-
-static void
-register_token (struct bcf_bypass *t, uint64_t offset, uint64_t len,
-                struct bcf_bypass_token *tok)
-{
   uint64_t first, n;
+
+  tok->flags = flags;
 
   chunk_range (t, offset, len, &first, &n);
   tok->first = first;
@@ -578,36 +568,50 @@ count_wait (struct bcf_bypass *t, uint64_t waited)
     t->wait_max_ns = waited;
 }
 
+/* Under the lock: wait until tok's turn, or, if a later write absorbed
+ * it, until that one ended; count the wait.  client: a wait_turn_write
+ * (counted in t->waiting, and absorbable while it waits if its flags
+ * say so).  Returns the nanoseconds waited. */
+static uint64_t
+wait_locked (struct bcf_bypass *t, struct bcf_bypass_token *tok, bool client)
+{
+  uint64_t t0, waited;
+
+  if (!must_wait (tok))
+    return 0;
+  t0 = bcf_now_ns ();
+  if (client) {
+    tok->waiting = true;
+    t->waiting++;
+  }
+  do
+    pthread_cond_wait (&t->order, &t->lock);
+  while (!tok->absorber && must_wait (tok));
+  if (client) {
+    tok->waiting = false;
+    t->waiting--;
+  }
+  while (tok->absorber && !tok->absorbed_done)
+    pthread_cond_wait (&t->order, &t->lock);
+  waited = bcf_now_ns () - t0;
+  count_wait (t, waited);
+  return waited;
+}
+
 bool
 bcf_bypass_wait_turn_write (struct bcf_bypass *t,
                             struct bcf_bypass_token *tok, int *rc)
 {
-  uint64_t t0;
   bool absorbed;
 
   if (atomic_load_explicit (&t->no_ordering, memory_order_relaxed))
     return false;
   pthread_mutex_lock (&t->lock);
   absorb_earlier (t, tok);
-  if (!must_wait (tok)) {
-    pthread_mutex_unlock (&t->lock);
-    return false;
-  }
-  t0 = bcf_now_ns ();
-  tok->waiting = true;
-  t->waiting++;
-  do
-    pthread_cond_wait (&t->order, &t->lock);
-  while (!tok->absorber && must_wait (tok));
-  tok->waiting = false;
-  t->waiting--;
+  wait_locked (t, tok, true);
   absorbed = tok->absorber != NULL;
-  if (absorbed) {
-    while (!tok->absorbed_done)
-      pthread_cond_wait (&t->order, &t->lock);
+  if (absorbed)
     *rc = tok->absorbed_rc;
-  }
-  count_wait (t, bcf_now_ns () - t0);
   pthread_mutex_unlock (&t->lock);
   return absorbed;
 }
@@ -615,21 +619,12 @@ bcf_bypass_wait_turn_write (struct bcf_bypass *t,
 uint64_t
 bcf_bypass_wait_turn (struct bcf_bypass *t, struct bcf_bypass_token *tok)
 {
-  uint64_t t0, waited;
+  uint64_t waited;
 
   if (atomic_load_explicit (&t->no_ordering, memory_order_relaxed))
     return 0;
   pthread_mutex_lock (&t->lock);
-  if (!must_wait (tok)) {
-    pthread_mutex_unlock (&t->lock);
-    return 0;
-  }
-  t0 = bcf_now_ns ();
-  do
-    pthread_cond_wait (&t->order, &t->lock);
-  while (must_wait (tok));
-  waited = bcf_now_ns () - t0;
-  count_wait (t, waited);
+  waited = wait_locked (t, tok, false);
   pthread_mutex_unlock (&t->lock);
   return waited;
 }

@@ -923,6 +923,16 @@ write_init (const struct bcf_cache *c, uint64_t offset, uint64_t len,
   return w->ptrs ? 0 : -ENOMEM;
 }
 
+/* Who writes the backing store, and so what a write-intent mark is for. */
+enum write_kind {
+  WRITE_ORDERED,              /* the caller, after bcf_write_durable: a
+                                 mark may stand in for the journal wait */
+  WRITE_THROUGH,              /* the caller, and its keys may go
+                                 unjournalled under a mark taken first */
+  WRITE_BACK,                 /* the writeback thread, after the keys are
+                                 durable (B2): nothing relies on a mark */
+};
+
 /* A write's data goes to the cache as dirty keys ("the cache holds data
  * the backing store may not have yet"), journalled, before or alongside
  * its backing write.  Why ordered matters: where the range held data a
@@ -936,16 +946,6 @@ write_init (const struct bcf_cache *c, uint64_t offset, uint64_t len,
  * crash either the dirty key survives (and recovery writes the same data
  * back) or it does not (and nothing older is cached).  The decision is
  * made per piece under the lock of its insert. */
-/* Who writes the backing store, and so what a write-intent mark is for. */
-enum write_kind {
-  WRITE_ORDERED,              /* the caller, after bcf_write_durable: a
-                                 mark may stand in for the journal wait */
-  WRITE_THROUGH,              /* the caller, and its keys may go
-                                 unjournalled under a mark taken first */
-  WRITE_BACK,                 /* the writeback thread, after the keys are
-                                 durable (B2): nothing relies on a mark */
-};
-
 static int
 write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
              const void *data, struct bcf_write *w, enum write_kind kind)

@@ -1571,7 +1571,8 @@ register_change (struct bcf_req *r, struct span s,
  * write of whole blocks may absorb, and be absorbed by, the writes of
  * whole blocks it overlaps (bypass.h): returns true if a later write
  * stood in for this one, which is then complete with the result in *rc
- * (the caller ends its registration with end_write and does nothing
+ * (the caller ends its registration with bcf_bypass_end_write, the
+ * result passed on to what this write absorbed, and does nothing
  * else: not even W2, so the cache, like the backing store, only ever
  * sees the write that stood in). */
 static bool
@@ -1584,14 +1585,6 @@ register_write (struct bcf_req *r, struct span s, uint64_t offset,
 
   bcf_bypass_begin_write (r->tracker, s.start, s.end - s.start, flags, tok);
   return bcf_bypass_wait_turn_write (r->tracker, tok, rc);
-}
-
-/* W5 of a client write that returns rc: what it absorbed completes with
- * the same result. */
-static void
-end_write (struct bcf_req *r, struct bcf_bypass_token *tok, int rc)
-{
-  bcf_bypass_end_write (r->tracker, tok, rc);
 }
 
 /* A durable cache update (an invalidation, dirty keys) of W2 failed, so
@@ -1966,7 +1959,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     bypass = should_bypass (r, offset, count);
 
   if (register_write (r, s, offset, count, fua, &tok, &rc)) {  /* W1 */
-    end_write (r, &tok, rc);
+    bcf_bypass_end_write (r->tracker, &tok, rc);
     return rc;
   }
   data = buf;
@@ -1988,7 +1981,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     /* The whole span is written: the partial blocks' dirty data must
      * not be invalidated, and writeback caches whole blocks only. */
     if ((rc = widen_write (r, b, s, buf, count, offset, &wide, &wlen)) < 0) {
-      end_write (r, &tok, rc);
+      bcf_bypass_end_write (r->tracker, &tok, rc);
       return rc;
     }
     data = wide;
@@ -1998,7 +1991,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (back && in.start < in.end &&
       (rc = write_back (r, in, data + (in.start - woff), fua)) != 0) {
     rc = rc < 0 ? rc : 0;
-    end_write (r, &tok, rc);
+    bcf_bypass_end_write (r->tracker, &tok, rc);
     free (wide);
     return rc;
   }
@@ -2008,7 +2001,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (insert && !dirty && !cache_off (r) &&
       (write_fill (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc) ||
        write_over (r, b, s, in, data, (uint32_t) wlen, woff, fua, &rc))) {
-    end_write (r, &tok, rc);                                   /* W5 */
+    bcf_bypass_end_write (r->tracker, &tok, rc);              /* W5 */
     free (wide);
     return rc;
   }
@@ -2021,7 +2014,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   if (insert && rc == 0)
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   if (rc < 0) {
-    end_write (r, &tok, rc);
+    bcf_bypass_end_write (r->tracker, &tok, rc);
     free (wide);
     return rc;
   }
@@ -2030,7 +2023,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                                           (uint32_t) wlen, woff, fua));
   if (cached)                                                 /* W4 */
     complete_cache_write (r, &w, rc, dirty, fua);
-  end_write (r, &tok, rc);                                     /* W5 */
+  bcf_bypass_end_write (r->tracker, &tok, rc);                /* W5 */
   free (wide);
   return rc;
 }
