@@ -435,6 +435,12 @@ cpu_ticks() {                   # cpu_ticks PID: utime+stime of all its threads
     else echo 0; fi
 }
 CLK_TCK=$(getconf CLK_TCK)
+host_ticks() {                  # host_ticks: "busy total" ticks of all CPUs
+    # /proc/stat's first line: user nice system idle iowait irq softirq
+    # steal ...; busy is all but idle and iowait
+    awk '/^cpu / { t = 0; for (i = 2; i <= NF; i++) t += $i
+                   print t - $5 - $6, t; exit }' /proc/stat
+}
 
 perf_wanted() { [[ " $PERF " == *" $1:$2 "* ]]; }
 
@@ -450,16 +456,24 @@ measure() {                     # measure CONFIG WORKLOAD REP
         perf_pid=$!
         PIDS+=("$perf_pid")
     fi
-    local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1 d0 d1 dreads=
+    local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1 d0 d1 dreads= h0 h1
     c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID"); d0=$(dev_reads)
+    h0=$(host_ticks)
     # shellcheck disable=SC2046
     run_fio "$wl" "$json" $(workload_args "$wl")
+    h1=$(host_ticks)
     c1=$(cpu_ticks "$cpid"); r1=$(cpu_ticks "$REMOTE_PID"); d1=$(dev_reads)
     if [[ -n $d0 && -n $d1 ]]; then dreads=$(( d1 - d0 )); fi
     # CPU seconds of the front end (the remote itself for "remote") and of
-    # the remote over the job (no fio job has a ramp), and the reads
-    # completed by WORKDIR's device over the job
+    # the remote over the job (no fio job has a ramp), the reads
+    # completed by WORKDIR's device over the job, and the host's busy
+    # and total CPU milliseconds over it (every process and the kernel:
+    # fio, both nbdkits, interrupts, anything else running)
     load="$load	$(( (c1 - c0) * 1000 / CLK_TCK ))	$(( (r1 - r0) * 1000 / CLK_TCK ))	$dreads"
+    # shellcheck disable=SC2086
+    load="$load	$(awk -v a="$h0" -v b="$h1" -v hz="$CLK_TCK" 'BEGIN {
+        split(a, x, " "); split(b, y, " ")
+        printf "%d\t%d", (y[1] - x[1]) * 1000 / hz, (y[2] - x[2]) * 1000 / hz }')"
     if [[ -n $perf_pid ]]; then stop_pid "$perf_pid" 30; fi
     if is_bcache "$cfg"; then bctl_stats "$OUTDIR/$cfg.$wl.$rep.stats.json"; fi
     printf '%s\t%s\t%s\t%s\t%s\n' "$cfg" "$wl" "$rep" "$json" "$load" >>"$RESULTS"
@@ -541,11 +555,14 @@ runs = defaultdict(list)
 allruns = []
 order_c, order_w = [], []
 for line in open(results):
-    c, w, rep, path, la, fcpu, rcpu, dreads = line.rstrip("\n").split("\t")
+    c, w, rep, path, la, fcpu, rcpu, dreads, hbusy, htotal = \
+        line.rstrip("\n").split("\t")
     runs[c, w].append(load(path))
     j = json.load(open(path))["jobs"][0]
     ios = j["read"]["total_ios"] + j["write"]["total_ios"]
     runs[c, w][-1]["cpu_us"] = int(fcpu) * 1000 / ios if ios else 0
+    runs[c, w][-1]["host_busy"] = int(hbusy) / int(htotal) if int(htotal) else None
+    runs[c, w][-1]["host_us"] = int(hbusy) * 1000 / ios if ios else None
     runs[c, w][-1]["dev_per_io"] = int(dreads) / ios if dreads and ios else None
     allruns.append((c, w, rep, runs[c, w][-1], la))
     if c not in order_c: order_c.append(c)
@@ -657,14 +674,20 @@ print("\nEvery run. Front-end CPU: user+system CPU time of the front-end process
       "Device reads/IO: reads completed by the block device holding WORKDIR over "
       "the job, per fio I/O (about 1 for a 4k hit that really reads the device, "
       "about 0 for one served by the page cache; the whole device is counted). "
+      "Host busy: the share of all CPUs' time over the job that was neither idle "
+      "nor waiting for I/O (/proc/stat: fio, both nbdkits, the kernel, and any other "
+      "tenant), and that busy time per I/O: near 100% busy, a config's IOPS are "
+      "bounded by its host CPU µs/IO, whatever its latency. "
       f"Load average: 1 min, when the run started, on {os.cpu_count()} CPUs.\n")
 print("| config | workload | run | read IOPS | write IOPS | MiB/s | read p50 ms | read p99 ms "
-      "| front-end CPU µs/IO | device reads/IO | load avg |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+      "| front-end CPU µs/IO | host busy | host CPU µs/IO | device reads/IO | load avg |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for c, w, rep, r, la in allruns:
     dev = "–" if r["dev_per_io"] is None else f"{r['dev_per_io']:.2f}"
+    hb = "–" if r["host_busy"] is None else f"{100 * r['host_busy']:.0f}%"
+    hu = "–" if r["host_us"] is None else f"{r['host_us']:.0f}"
     print(f"| {c} | {w} | {rep} | {r['riops']:.0f} | {r['wiops']:.0f} | {r['mibs']:.1f} "
-          f"| {r['rp50']:.2f} | {r['rp99']:.2f} | {r['cpu_us']:.0f} | {dev} | {la} |")
+          f"| {r['rp50']:.2f} | {r['rp99']:.2f} | {r['cpu_us']:.0f} | {hb} | {hu} | {dev} | {la} |")
 
 stats = [f for f in sorted(os.listdir(outdir)) if f.endswith(".stats.json")]
 if stats:
