@@ -799,11 +799,30 @@ START_TEST (test_modes)
   else
     printf ("io_uring unavailable here: %s\n", err);
 
-  /* AUTO: uring where it works, else sync with a notice. */
+  /* AUTO: uring where it works (and O_DIRECT too: below), else sync with
+   * a notice. */
   o.mode = BCF_IO_AUTO;
   io = open_opts (&o);
-  ck_assert_str_eq (bcf_io_mode_name (io), r == 0 ? "uring" : "sync");
+  ck_assert_str_eq (bcf_io_mode_name (io),
+                    r == 0 && bcf_io_direct (io) ? "uring" : "sync");
   bcf_io_close (io);
+
+  /* AUTO without O_DIRECT: sync, by choice (no notice); URING keeps
+   * io_uring there if asked for. */
+  o.direct = BCF_IO_DIRECT_OFF;
+  io = open_opts (&o);
+  ck_assert (!bcf_io_direct (io));
+  ck_assert_str_eq (bcf_io_mode_name (io), "sync");
+  ck_assert_ptr_null (bcf_io_notice (io));
+  bcf_io_close (io);
+  if (r == 0) {
+    o.mode = BCF_IO_URING;
+    io = open_opts (&o);
+    ck_assert_str_eq (bcf_io_mode_name (io), "uring");
+    bcf_io_close (io);
+    o.mode = BCF_IO_AUTO;
+  }
+  o.direct = BCF_IO_DIRECT_AUTO;
 
   o.test_flags = BCF_IO_TEST_NO_URING;
   io = open_opts (&o);
