@@ -19,7 +19,9 @@
 # ends with a full read and a block-status check.
 #
 # Sessions, on one cache file: for each mode (writethrough, writearound,
-# none): workload, clean stop, restart, workload, kill -9.  Then writethrough with a 64 KiB sequential cutoff
+# none): workload, clean stop, restart, workload, kill -9.  The same
+# through the page cache (bcache-direct=false) in writethrough and
+# writeback.  Then writethrough with a 64 KiB sequential cutoff
 # (many writes bypass), and a kill -9 while a read-only workload is
 # filling the cache (half-done inserts must never be served).  Finally the
 # remote's content must equal the shadow.
@@ -75,6 +77,26 @@ for mode in writethrough writearound none; do
     start_proxy p "${p[@]}"
     workload $first --verify-first
     first=
+    stop_nbdkit "$p_pid"
+
+    start_proxy p "${p[@]}"
+    workload --verify-first
+    crash_nbdkit "$p_pid"
+    rm -f "$d/ctl"
+done
+
+# Through the page cache (bcache-direct=false, which bcache-io=auto then
+# drives with pread/pwrite), writethrough and writeback: the same
+# sessions, and the dirty data a kill -9 leaves must come back.
+for mode in writethrough writeback; do
+    p=(bcache="$cache" bcache-direct=false bcache-mode=$mode
+       bcache-ctl="$d/ctl")
+    start_proxy p "${p[@]}"
+    io=$(bcachefilter-ctl -s "$d/ctl" show super --json |
+             "$PYTHON" "$filterdir/stat.py" io)
+    test "$io" = sync ||
+        fail "bcache-direct=false: the cache is driven by '$io', not sync"
+    workload --verify-first
     stop_nbdkit "$p_pid"
 
     start_proxy p "${p[@]}"
