@@ -68,13 +68,21 @@ show_stats ()
     hits=$((hits + h))
 }
 
+# sessions ARGS...: on a proxy with ARGS, a workload, a clean stop, a
+# restart, a workload and a kill -9 (so the first session of the next
+# call follows a kill -9).
 first=--init
-for mode in writethrough writearound none; do
-    p=(bcache="$cache" bcache-size=8M bcache-bucket-size=8K
-       bcache-mode=$mode bcache-ctl="$d/ctl")
+sessions ()
+{
+    local p=(bcache="$cache" bcache-ctl="$d/ctl" "$@") io
 
-    # (The first session of a mode follows a kill -9 of the previous one.)
     start_proxy p "${p[@]}"
+    if [[ " $* " == *" bcache-direct=false "* ]]; then
+        io=$(bcachefilter-ctl -s "$d/ctl" show super --json |
+                 "$PYTHON" "$filterdir/stat.py" io)
+        test "$io" = sync ||
+            fail "bcache-direct=false: the cache is driven by '$io', not sync"
+    fi
     workload $first --verify-first
     first=
     stop_nbdkit "$p_pid"
@@ -83,26 +91,16 @@ for mode in writethrough writearound none; do
     workload --verify-first
     crash_nbdkit "$p_pid"
     rm -f "$d/ctl"
+}
+
+for mode in writethrough writearound none; do
+    sessions bcache-size=8M bcache-bucket-size=8K bcache-mode=$mode
 done
-
 # Through the page cache (bcache-direct=false, which bcache-io=auto then
-# drives with pread/pwrite), writethrough and writeback: the same
-# sessions, and the dirty data a kill -9 leaves must come back.
+# drives with pread/pwrite), writethrough and writeback: the dirty data
+# a kill -9 leaves must come back.
 for mode in writethrough writeback; do
-    p=(bcache="$cache" bcache-direct=false bcache-mode=$mode
-       bcache-ctl="$d/ctl")
-    start_proxy p "${p[@]}"
-    io=$(bcachefilter-ctl -s "$d/ctl" show super --json |
-             "$PYTHON" "$filterdir/stat.py" io)
-    test "$io" = sync ||
-        fail "bcache-direct=false: the cache is driven by '$io', not sync"
-    workload --verify-first
-    stop_nbdkit "$p_pid"
-
-    start_proxy p "${p[@]}"
-    workload --verify-first
-    crash_nbdkit "$p_pid"
-    rm -f "$d/ctl"
+    sessions bcache-direct=false bcache-mode=$mode
 done
 
 # Writes above a 64 KiB sequential cutoff bypass the cache (bcache's
