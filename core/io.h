@@ -30,7 +30,9 @@
  *
  * - a synchronous pread/pwrite/fdatasync path, chosen with
  *   BCF_IO_SYNC or automatically (BCF_IO_AUTO) where io_uring is missing
- *   or forbidden (ENOSYS, EPERM from kernel.io_uring_disabled, ENOMEM...).
+ *   or forbidden (ENOSYS, EPERM from kernel.io_uring_disabled, ENOMEM...),
+ *   and where the device is not opened with O_DIRECT (buffered io_uring
+ *   I/O goes through kernel worker threads; io.c, pick_mode).
  *
  * - an aligned buffer pool (bcf_buf_alloc / bcf_buf_free).
  *

@@ -58,7 +58,8 @@ enum bcf_log_level { BCF_LOG_DEBUG, BCF_LOG_INFO, BCF_LOG_WARN, BCF_LOG_ERROR };
 
 /* How the engine drives the cache device (core/io.h). */
 enum bcf_io_mode {
-  BCF_IO_AUTO = 0,              /* io_uring if available, else sync */
+  BCF_IO_AUTO = 0,              /* io_uring if available and O_DIRECT,
+                                 * else sync */
   BCF_IO_URING,                 /* io_uring or fail to open */
   BCF_IO_SYNC,                  /* pread / pwrite / fdatasync */
 };
