@@ -470,7 +470,6 @@ measure() {                     # measure CONFIG WORKLOAD REP
     # and total CPU milliseconds over it (every process and the kernel:
     # fio, both nbdkits, interrupts, anything else running)
     load="$load	$(( (c1 - c0) * 1000 / CLK_TCK ))	$(( (r1 - r0) * 1000 / CLK_TCK ))	$dreads"
-    # shellcheck disable=SC2086
     load="$load	$(awk -v a="$h0" -v b="$h1" -v hz="$CLK_TCK" 'BEGIN {
         split(a, x, " "); split(b, y, " ")
         printf "%d\t%d", (y[1] - x[1]) * 1000 / hz, (y[2] - x[2]) * 1000 / hz }')"

@@ -1348,9 +1348,10 @@ pick_mode (struct bcf_io *io, const struct bcf_io_opts *opts,
   /* Without O_DIRECT, io_uring hands each write, and each read the page
    * cache misses, to an io-wq worker thread (a buffered write may block on
    * the inode's lock): two thread switches per I/O, where pwrite is a copy
-   * into the page cache.  So auto takes the sync path there: 1.3-1.6 x
-   * the IOPS on hits, writes and mixed workloads (docs/BENCHMARKS.md,
-   * stop 27). */
+   * into the page cache.  So auto takes the sync path there (same-hour
+   * runs, docs/BENCHMARKS.md, stop 27: hits 1.4 x the IOPS, writeback
+   * rmw 1.4 x, mixed 1.3-1.5 x, writethrough rmw 0.78 -> 0.96 x the
+   * pass-through proxy). */
   if (opts->mode == BCF_IO_AUTO && !io->direct)
     io->mode = BCF_IO_SYNC;
   if (io->mode == BCF_IO_SYNC)

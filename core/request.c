@@ -1886,7 +1886,9 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
 }
 
 /* Writethrough over clean data the cache holds (bcf_write_over_begin):
- * W2's cache-device write runs alongside W3 instead of before it, and
+ * W2's cache-device write runs alongside W3 instead of before it (with
+ * io_uring; on the sync path bcf_io_start does it at once, which where
+ * auto picks that path is a copy into the page cache), and
  * the data goes in as clean keys at W4, after both.  The range keeps its
  * old data until then, which concurrent reads may get (the write is not
  * acknowledged yet), and its write-intent marks make a crash drop both
