@@ -1756,9 +1756,17 @@ span_dirty (struct bcf_req *r, struct span s)
  * else a FUA write (bcache's REQ_SYNC) up to the sync cutoff, others up
  * to cutoff_writeback.  Above the cutoffs writes are written through, so
  * a cache full of dirty data slows writes to the export's speed and
- * never blocks them. */
+ * never blocks them.
+ *
+ * *dirty is whether s holds dirty data (span_dirty), -1 while not known:
+ * it is looked up only where it changes the answer.  Below the cutoffs
+ * a write that does not bypass is written back either way, and the
+ * lookup (a tree lookup under the tree lock, which every write of a
+ * writeback flood took: 24-26k of them waited for the lock, 3.2 s in
+ * all, in a 20 s run of filter-bench's rmw) would decide nothing. */
 static bool
-should_write_back (struct bcf_req *r, bool bypass, bool dirty, bool fua)
+should_write_back (struct bcf_req *r, bool bypass, bool fua, struct span s,
+                   int *dirty)
 {
   unsigned in_use = r->wb ? bcf_writeback_in_use (r->wb) : 0;
   /* The controller measures the buckets in use only every
@@ -1776,12 +1784,19 @@ should_write_back (struct bcf_req *r, bool bypass, bool dirty, bool fua)
   if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
       atomic_load (&r->failing) || detaching (r))
     return false;
-  if (in_use > BCF_WB_CUTOFF_SYNC ||
-      (!dirty && !bypass && !fua && in_use > BCF_WB_CUTOFF)) {
+  if (in_use > BCF_WB_CUTOFF_SYNC) {
     atomic_fetch_add (&r->wb_cutoff_writes, 1);
     return false;
   }
-  return dirty || !bypass;
+  if (!bypass && (fua || in_use <= BCF_WB_CUTOFF))
+    return true;
+  if (*dirty < 0)
+    *dirty = span_dirty (r, s);
+  if (*dirty)
+    return true;
+  if (!bypass)                  /* past cutoff_writeback */
+    atomic_fetch_add (&r->wb_cutoff_writes, 1);
+  return false;
 }
 
 /* Read-modify-write of the partial blocks at the ends of span s, for a
@@ -1937,6 +1952,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   struct bcf_bypass_token tok;
   struct bcf_write w;
   bool bypass = false, insert, dirty, back, cached = false, off;
+  int known = -1;               /* does s hold dirty data? (-1: not asked) */
   const uint8_t *data;
   uint8_t *wide = NULL;
   uint64_t woff, wlen;
@@ -1967,7 +1983,13 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   data = buf;
   woff = offset;
   wlen = count;
-  dirty = !off && span_dirty (r, s);
+  back = !off && should_write_back (r, bypass, fua, s, &known);
+  if (!back && known < 0)
+    known = !off && span_dirty (r, s);
+  /* A write that is written back has no use for the answer unless the
+   * cache cannot take it after all (write_back returns 0): then it is
+   * looked up below, still under the write's turn. */
+  dirty = known > 0;
   /* Over dirty data every mode caches the write as writethrough does:
    * its dirty keys replace the old ones, on the journal before the
    * backing write where a crash could bring the old ones back.  An
@@ -1977,7 +1999,6 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
   insert = !off && (dirty || (!bypass && !detaching (r) &&
                               atomic_load (&r->mode) != BCF_MODE_WRITEAROUND &&
                               atomic_load (&r->mode) != BCF_MODE_NONE));
-  back = !off && should_write_back (r, bypass, dirty, fua);
   if (!off && (dirty || back) &&
       (in.start != s.start || in.end != s.end)) {
     /* The whole span is written: the partial blocks' dirty data must
@@ -1996,6 +2017,10 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     bcf_bypass_end_write (r->tracker, &tok, rc);
     free (wide);
     return rc;
+  }
+  if (known < 0) {
+    dirty = span_dirty (r, s);
+    insert = insert || dirty;
   }
   insert = insert && in.start < in.end;
   if (!insert && !off)
