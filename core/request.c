@@ -1749,6 +1749,22 @@ span_dirty (struct bcf_req *r, struct span s)
   return bcf_cache_dirty_bytes (r->c) > 0 && has_dirty (r, s) != 0;
 }
 
+/* Is the cache past cutoff (a percentage)?  The controller measures the
+ * buckets in use only every writeback_rate_update_seconds (and not at all
+ * without a thread); the dirty data is a counter, and its share of the
+ * cache is a lower bound of the buckets it takes.  Without it a write
+ * flood in the first seconds filled the whole cache with dirty data,
+ * leaving no free bucket for the metadata an open after a crash must
+ * write.  The share is compared exactly: a percentage rounded down let
+ * dirty data reach 71 % of a cache with a 70 % cutoff. */
+static bool
+past_cutoff (struct bcf_req *r, unsigned in_use, unsigned cutoff)
+{
+  return in_use > cutoff ||
+    (r->capacity_bytes &&
+     bcf_cache_dirty_bytes (r->c) * 100 > r->capacity_bytes * cutoff);
+}
+
 /* Writeback mode: should this write be acknowledged from the cache
  * (bcache's should_writeback)?  Above cutoff_writeback_sync never;
  * a write over dirty data always (bcache: writes overlapping the
@@ -1769,26 +1785,15 @@ should_write_back (struct bcf_req *r, bool bypass, bool fua, struct span s,
                    int *dirty)
 {
   unsigned in_use = r->wb ? bcf_writeback_in_use (r->wb) : 0;
-  /* The controller measures the buckets in use only every
-   * writeback_rate_update_seconds (and not at all without a thread); the
-   * dirty data is a counter, and its share of the cache is a lower bound
-   * of the buckets it takes.  Without it a write flood in the first
-   * seconds filled the whole cache with dirty data, leaving no free bucket
-   * for the metadata an open after a crash must write. */
-  unsigned dirty_share = r->capacity_bytes
-    ? (unsigned) (bcf_cache_dirty_bytes (r->c) * 100 / r->capacity_bytes) : 0;
-
-  if (dirty_share > in_use)
-    in_use = dirty_share;
 
   if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
       atomic_load (&r->failing) || detaching (r))
     return false;
-  if (in_use > BCF_WB_CUTOFF_SYNC) {
+  if (past_cutoff (r, in_use, BCF_WB_CUTOFF_SYNC)) {
     atomic_fetch_add (&r->wb_cutoff_writes, 1);
     return false;
   }
-  if (!bypass && (fua || in_use <= BCF_WB_CUTOFF))
+  if (!bypass && (fua || !past_cutoff (r, in_use, BCF_WB_CUTOFF)))
     return true;
   if (*dirty < 0)
     *dirty = span_dirty (r, s);
