@@ -269,6 +269,7 @@ struct bcf_req {
   _Atomic int mode;
   _Atomic uint64_t cutoff;
   _Atomic int seq_bypass;       /* enum bcf_sequential_bypass */
+  bool all_sync;                /* every write is REQ_SYNC (bcf_sync_writes) */
   _Atomic uint64_t bypass_sequential, bypass_congested, sequential_cached;
   /* What a read costs, from the export and from the cache (cost_sample). */
   struct read_cost { _Atomic uint64_t ns8, bytes8; } export_cost, cache_cost;
@@ -648,6 +649,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     return NULL;
   }
   atomic_store (&r->cutoff, o->sequential_cutoff);
+  r->all_sync = o->sync_writes == BCF_SYNC_WRITES_ALL;
   if (bcf_req_set_sequential_bypass (r, o->sequential_bypass) < 0) {
     bcf_req_free (r);
     return NULL;
@@ -1769,10 +1771,11 @@ past_cutoff (struct bcf_req *r, unsigned in_use, unsigned cutoff)
  * (bcache's should_writeback)?  Above cutoff_writeback_sync never;
  * a write over dirty data always (bcache: writes overlapping the
  * writeback's keys, and no bypass for them); a bypassing write never;
- * else a FUA write (bcache's REQ_SYNC) up to the sync cutoff, others up
- * to cutoff_writeback.  Above the cutoffs writes are written through, so
- * a cache full of dirty data slows writes to the export's speed and
- * never blocks them.
+ * else a write bcache would see as REQ_SYNC (every write, or only FUA
+ * ones: r->all_sync, bcf_sync_writes says why) up to the sync cutoff,
+ * others up to cutoff_writeback.  Above the cutoffs writes are written
+ * through, so a cache full of dirty data slows writes to the export's
+ * speed and never blocks them.
  *
  * *dirty is whether s holds dirty data (span_dirty), -1 while not known:
  * it is looked up only where it changes the answer.  Below the cutoffs
@@ -1793,7 +1796,8 @@ should_write_back (struct bcf_req *r, bool bypass, bool fua, struct span s,
     atomic_fetch_add (&r->wb_cutoff_writes, 1);
     return false;
   }
-  if (!bypass && (fua || !past_cutoff (r, in_use, BCF_WB_CUTOFF)))
+  if (!bypass && (fua || r->all_sync ||
+                  !past_cutoff (r, in_use, BCF_WB_CUTOFF)))
     return true;
   if (*dirty < 0)
     *dirty = span_dirty (r, s);

@@ -609,6 +609,7 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   ro.error_halflife = cfg.error_halflife;
   ro.writeback_percent = cfg.writeback_percent;
   ro.writeback_delay = cfg.writeback_delay;
+  ro.sync_writes = cfg.sync_writes;
   ro.background = bk_background ();
   /* The checkpoint's export barrier flushes through the background
    * connection (bcf_cache_set_export), which outlives the cache. */

@@ -23,6 +23,7 @@ struct filter_config cfg = {
   .direct = true,
   .bdev_auto = true,
   .write_intent = true,
+  .sync_writes = BCF_SYNC_WRITES_ALL,
 };
 
 /* The plugin's parameters that name the export, hashed in order into the
@@ -288,6 +289,19 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
       return -1;
     }
     cfg.writeback_percent = v ? v : BCF_WRITEBACK_PERCENT_ZERO;
+  }
+  else if (strcmp (key, "bcache-sync-writes") == 0) {
+    if (strcmp (value, "all") == 0)
+      cfg.sync_writes = BCF_SYNC_WRITES_ALL;
+    else if (strcmp (value, "fua") == 0)
+      cfg.sync_writes = BCF_SYNC_WRITES_FUA;
+    else {
+      nbdkit_error ("bcache-sync-writes=%s: use all (every write may be "
+                    "written back up to 70 %% of the cache in use) or fua "
+                    "(only FUA writes; the others up to 40 %%, as bcache "
+                    "treats writes that are not REQ_SYNC)", value);
+      return -1;
+    }
   }
   else if (strcmp (key, "bcache-writeback-delay") == 0) {
     unsigned v;

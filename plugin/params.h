@@ -47,6 +47,7 @@ struct filter_config {
   unsigned writeback_percent;           /* bcache-writeback-percent=, as
                                            bcf_req_opts takes it */
   unsigned writeback_delay;             /* bcache-writeback-delay=, ditto */
+  enum bcf_sync_writes sync_writes;     /* bcache-sync-writes= */
   bool test_no_tracker;                 /* bcache-test-disable-tracker= */
   /* The first identifying parameter, for messages ("socket=/x"). */
   bool id_any;
@@ -68,6 +69,8 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "bcache-mode=writethrough|writeback|writearound|none  cache mode\n" \
   "bcache-writeback-percent=N  writeback: dirty share to keep (10)\n" \
   "bcache-writeback-delay=S    writeback: pause after a full pass (30)\n" \
+  "bcache-sync-writes=all|fua  writeback: the writes that count as\n" \
+  "                            bcache's REQ_SYNC in its cutoffs (all)\n" \
   "bcache-bucket-size=SIZE     bucket size when formatting (512K)\n" \
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \

@@ -87,6 +87,8 @@ c="$d/never-created"
 refuse noparam 'bcache'
 refuse wbpercent 'bcache-writeback-percent' bcache="$c" bcache-size=64M \
        bcache-mode=writeback bcache-writeback-percent=101
+refuse syncwrites 'bcache-sync-writes' bcache="$c" bcache-size=64M \
+       bcache-mode=writeback bcache-sync-writes=some
 refuse badmode 'bcache-mode' bcache="$c" bcache-size=64M bcache-mode=bogus
 refuse badsize 'bcache-size' bcache="$c" bcache-size=12Q
 refuse negsize 'bcache-size' bcache="$c" bcache-size=-64M

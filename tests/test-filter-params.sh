@@ -24,7 +24,7 @@ for p in bcache bcache-size bcache-format bcache-mode bcache-bucket-size \
          bcache-node-cache bcache-journal-delay bcache-write-intent \
          bcache-error-limit bcache-error-halflife \
          bcache-sequential-bypass bcache-congested-read-threshold-us \
-         bcache-congested-write-threshold-us \
+         bcache-congested-write-threshold-us bcache-sync-writes \
          bcache-test-disable-tracker; do
     # "NAME=VALUE   description" at the start of a line.
     grep -Eq "^$p=[^ ]+ +[^ ]" "$d/help" ||

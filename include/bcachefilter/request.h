@@ -93,6 +93,18 @@ struct bcf_req_opts {
    * BCF_WRITEBACK_DELAY_ZERO for none). */
   unsigned writeback_percent;
   unsigned writeback_delay;
+  /* Writeback mode: which writes bcache's cutoffs treat as its REQ_SYNC
+   * writes, written back up to cutoff_writeback_sync (70 % of the
+   * buckets in use) where the others stop at cutoff_writeback (40 %).
+   * NBD does not say whether a client waits for a write (it has FUA,
+   * which is REQ_FUA).  BCF_SYNC_WRITES_ALL (the default): every write,
+   * as a VM's writes through qemu's cache=none (O_DIRECT) reach a local
+   * bcache; BCF_SYNC_WRITES_FUA: FUA writes only (bcache's cutoff_writeback
+   * then holds for the rest). */
+  enum bcf_sync_writes {
+    BCF_SYNC_WRITES_ALL = 0,
+    BCF_SYNC_WRITES_FUA,
+  } sync_writes;
 };
 #define BCF_WRITEBACK_PERCENT_ZERO 1000
 #define BCF_WRITEBACK_DELAY_ZERO   UINT32_MAX

@@ -563,20 +563,28 @@ START_TEST (rate_controller)
 }
 END_TEST
 
-/* Above cutoff_writeback, writes that are neither FUA nor over dirty
- * data are written through: a cache filling with dirty data slows
- * writes to the export's speed instead of running out of room. */
-START_TEST (cutoff_writes_through)
+/* Between cutoff_writeback (40 %) and cutoff_writeback_sync (70 %) of
+ * the cache in use: with bcache-sync-writes=fua (bcache's rule for
+ * writes that are not REQ_SYNC), writes that are neither FUA nor over
+ * dirty data are written through, so that a cache filling with dirty
+ * data slows writes to the export's speed instead of running out of
+ * room; with all (the default), every write counts as REQ_SYNC and is
+ * still written back.  Negative control for the second: with
+ * should_write_back ignoring r->all_sync, the 64 KiB write at 40 MiB
+ * reaches the backing store (ms.writes == 1). */
+static void
+cutoff_case (enum bcf_sync_writes sync_writes)
 {
   struct fx f;
   static uint8_t buf[1 << 20];
   struct bcf_req_stats rs;
   struct mem_backing_stats ms;
-  uint64_t off = 0;
+  uint64_t off = 0, cut;
 
   fx_init (&f, "cutoff.img", 128 * MiB, BCF_MODE_WRITEBACK);
   bcf_req_free (f.r);
   f.ro.background = &f.b;
+  f.ro.sync_writes = sync_writes;
   f.ro.writeback_percent = 100;         /* the rate stays at its minimum */
   f.ro.sequential_cutoff = 0;           /* no stream is bypassed */
   f.r = bcf_req_new (f.c, &f.ro);
@@ -598,12 +606,19 @@ START_TEST (cutoff_writes_through)
   }
   ck_assert_uint_gt (rs.cache_in_use, BCF_WB_CUTOFF);
   ck_assert_uint_le (rs.cache_in_use, BCF_WB_CUTOFF_SYNC);
+  cut = rs.writeback_cutoff_writes;
   mem_backing_reset_stats (f.mb);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, 65536, 40 * MiB, false), 0);
   mem_backing_get_stats (f.mb, &ms);
-  ck_assert_uint_eq (ms.writes, 1);
   bcf_req_get_stats (f.r, &rs);
-  ck_assert_uint_ge (rs.writeback_cutoff_writes, 1);
+  if (sync_writes == BCF_SYNC_WRITES_FUA) {
+    ck_assert_uint_eq (ms.writes, 1);
+    ck_assert_uint_eq (rs.writeback_cutoff_writes, cut + 1);
+  }
+  else {
+    ck_assert_uint_eq (ms.writes, 0);
+    ck_assert_uint_eq (rs.writeback_cutoff_writes, cut);
+  }
   /* FUA, and writes over dirty data, are still written back. */
   mem_backing_reset_stats (f.mb);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, 65536, 50 * MiB, true), 0);
@@ -613,6 +628,17 @@ START_TEST (cutoff_writes_through)
   ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
   f.ro.background = NULL;
   fx_free (&f);
+}
+
+START_TEST (cutoff_writes_through)
+{
+  cutoff_case (BCF_SYNC_WRITES_FUA);
+}
+END_TEST
+
+START_TEST (cutoff_sync_writes_all)
+{
+  cutoff_case (BCF_SYNC_WRITES_ALL);
 }
 END_TEST
 
@@ -836,6 +862,7 @@ writeback_suite (void)
   ADD (rate_controller);
   ADD (delay_only_after_whole_index);
   ADD (cutoff_writes_through);
+  ADD (cutoff_sync_writes_all);
   ADD (failing_device_keeps_dirty_data);
   ADD (dirty_data_never_fills_the_cache);
   ADD (write_over_dirty_device_refuses_writes);
