@@ -471,6 +471,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->intent_clears = atomic_load (&c->stats.intent_clears);
   st->intent_dropped = atomic_load (&c->stats.intent_dropped);
   st->invalidates = atomic_load (&c->stats.invalidates);
+  st->invalidates_marked = atomic_load (&c->stats.invalidates_marked);
   st->export_flushes = atomic_load (&c->stats.export_flushes);
   st->export_flush_errors = atomic_load (&c->stats.export_flush_errors);
   st->device_errors = bcf_io_errors (c->io);

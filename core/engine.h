@@ -650,7 +650,8 @@ struct bcf_cache {
    * counted there, once.  Device errors are the I/O layer's count. */
   struct bcf_stats *counters;
   struct {
-    atomic_uint_fast64_t inserts, invalidates, dirty_inserts;
+    atomic_uint_fast64_t inserts, invalidates, invalidates_marked;
+    atomic_uint_fast64_t dirty_inserts;
     atomic_uint_fast64_t export_flushes, export_flush_errors;
     atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;

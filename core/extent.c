@@ -749,6 +749,49 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return r;
 }
 
+/* A write that goes around the cache invalidates the range durably
+ * before its backing write (DESIGN.md's bypass-write ordering), which
+ * where the range holds data a crash could bring back is a journal write
+ * in series with the write: under the congestion bypass, a FUA write on
+ * the device that was found congested, for every such write.  A
+ * write-intent mark stands in for it as it does for a writethrough
+ * write's keys (intent.c): while the mark is held and until a checkpoint
+ * that holds the whiteout commits, recovery drops every clean key of the
+ * region, so a crash that loses the whiteout brings back nothing that is
+ * served.  Not where a dirty version could come back (recovery keeps
+ * those): asked after the whiteout is in, under the write's turn, so
+ * nothing else changes the range meanwhile, and conservatively (a
+ * checkpoint that is not committed counts as bringing everything back).
+ * An unmarked region is marked, one journal write, as the invalidation's
+ * own would have been; later writes there wait for none. */
+int
+bcf_invalidate_before_write (struct bcf_cache *c, uint64_t offset,
+                             uint64_t len, struct bcf_write *w)
+{
+  struct durability d = { 0 };
+  uint64_t s, e;
+  bool returns;
+  int r;
+
+  memset (w, 0, sizeof *w);
+  if ((r = invalidate_range (c, offset, len, &d)) < 0 || d.seq == 0 ||
+      !journal_pending (c, d.seq))
+    return r;
+  if (!c->opts.write_intent_off && to_sectors (c, offset, len, &s, &e) == 0) {
+    pthread_rwlock_rdlock (&c->tree_lock);
+    returns = btree_range_returns_dirty_locked (c, c->inode, s, e);
+    pthread_rwlock_unlock (&c->tree_lock);
+    if (!returns && intent_write_begin (c, s, e) == 0) {
+      w->offset = offset;
+      w->len = len;
+      w->intent = true;
+      atomic_fetch_add (&c->stats.invalidates_marked, 1);
+      return 0;
+    }
+  }
+  return journal_flush_seq (c, d.seq);
+}
+
 int
 bcf_drop_hit (struct bcf_cache *c, const struct bcf_extent *e)
 {

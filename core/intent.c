@@ -17,21 +17,25 @@
  * warmth is traded, never correctness.  Dirty keys stay: they are newer
  * than the backing store and are written back.
  *
- * Writes rely on a mark in two ways.  A write into a region that is not
+ * Writes rely on a mark in three ways.  A write into a region that is not
  * marked yet inserts its dirty keys, journalled, then asks for the mark
  * (bcf_write_begin, intent_write_begin), which it makes durable.  A
  * writethrough write marks its regions before its keys go in and,
  * where no dirty data can come back, does not journal them at all
  * (extent.c's bcf_write_begin_through): what a crash brings back older
  * than such a write is a clean key of the region, which recovery drops
- * while the mark stands.  So a mark is cleared (lazily: intent_tick, from the
- * journal thread) only once every key of every write that relied on it
- * is on disk without it: no write holds it, the region has been quiet
- * for a while (so that a busy region is not marked and cleared over and
- * over), and a checkpoint that began after the region's last write
- * ended has committed (ckpt_begun_ns): the committed nodes hold those
- * keys, or what replaced them since.  Clearing need not be durable: a
- * mark a crash brings back only costs warmth.
+ * while the mark stands.  A write that goes around the cache does the
+ * same with the whiteout that removes the older data
+ * (bcf_invalidate_before_write): it marks, and then does not wait for
+ * the whiteout's journal entry.  So a mark is cleared (lazily:
+ * intent_tick, from the journal thread) only once every key of every
+ * write that relied on it is on disk without it: no write holds it, the
+ * region has been quiet for a while (so that a busy region is not marked
+ * and cleared over and over), and a checkpoint that began after the
+ * region's last write ended has committed (ckpt_begun_ns): the
+ * committed nodes hold those keys, or what replaced them since.
+ * Clearing need not be durable: a mark a crash brings back only costs
+ * warmth.
  *
  * Where the marks live: in the btree, as keys of inode INTENT_INODE
  * (0xffffe, beyond any uuid slot a cache can have: slots are

@@ -218,6 +218,10 @@ struct getter {
      "Clean extents dropped at open in regions a crash left marked.")       \
   X (invalidates, COUNTER, NONE, ENGINE, 0, U64 (cache.invalidates),        \
      N_CACHE, "Ranges invalidated.")                                        \
+  X (invalidates_marked, COUNTER, NONE, ENGINE, 0,                          \
+     U64 (cache.invalidates_marked), N_CACHE,                               \
+     "Invalidations by bypassing writes that a write-intent mark made "     \
+     "durable instead of a journal wait.")                                  \
   X (export_flushes, COUNTER, NONE, ENGINE, 0,                              \
      U64 (cache.export_flushes), N_CACHE,                                   \
      "Flushes of the export a checkpoint made before writing clean keys.")  \

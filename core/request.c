@@ -1616,19 +1616,32 @@ cache_update_failed (struct bcf_req *r)
 /* W2 for data that is not cached: drop [start, start + len) durably.
  * Returns 0 when the backing store may change: the range is invalidated
  * durably, or the cache is abandoned (the next open starts empty), which
- * is equally safe; else -EIO (cache_update_failed). */
+ * is equally safe; else -EIO (cache_update_failed).  With hold (a write
+ * that goes around the cache, under its turn), a write-intent mark may
+ * stand in for the journal wait (bcf_invalidate_before_write): *hold
+ * keeps it until bcf_write_release, after the backing write. */
 static int
-invalidate_durably (struct bcf_req *r, uint64_t start, uint64_t len)
+invalidate_held (struct bcf_req *r, uint64_t start, uint64_t len,
+                 struct bcf_write *hold)
 {
+  if (hold)
+    memset (hold, 0, sizeof *hold);
   if (len == 0)
     return 0;
   if (cache_off (r))
     abandon_device (r);
   if (atomic_load (&r->abandoned))
     return 0;
-  if (bcf_invalidate (r->c, start, len, true) == 0)
+  if ((hold ? bcf_invalidate_before_write (r->c, start, len, hold)
+       : bcf_invalidate (r->c, start, len, true)) == 0)
     return 0;
   return cache_update_failed (r);
+}
+
+static int
+invalidate_durably (struct bcf_req *r, uint64_t start, uint64_t len)
+{
+  return invalidate_held (r, start, len, NULL);
 }
 
 static int write_back_span (struct bcf_req *r, const struct bcf_backing *b,
@@ -2046,7 +2059,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
     rc = cache_write (r, b, s, in, data + (in.start - woff), dirty, fua,
                       &w);
   else
-    rc = invalidate_durably (r, s.start, s.end - s.start);
+    rc = invalidate_held (r, s.start, s.end - s.start, &w);
   if (insert && rc == 0)
     atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
   if (rc < 0) {
@@ -2059,6 +2072,8 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                                           (uint32_t) wlen, woff, fua));
   if (cached)                                                 /* W4 */
     complete_cache_write (r, &w, rc, dirty, fua);
+  else
+    bcf_write_release (r->c, &w);       /* the invalidation's marks */
   bcf_bypass_end_write (r->tracker, &tok, rc);                /* W5 */
   free (wide);
   return rc;

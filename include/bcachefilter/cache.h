@@ -407,6 +407,15 @@ int bcf_write_undo (struct bcf_cache *c, struct bcf_write *w);
 int64_t bcf_write_mark_clean (struct bcf_cache *c, struct bcf_write *w);
 void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
 
+/* bcf_invalidate with durable, for a write about to change the backing
+ * store over the range (a bypassing write, under its turn in the
+ * in-flight write tracker): where the range's write-intent regions can
+ * stand in for the journal wait, they are held in w instead (no wait
+ * once a region is marked).  Release w with bcf_write_release after the
+ * backing write, in every case.  Returns 0 or -errno. */
+int bcf_invalidate_before_write (struct bcf_cache *c, uint64_t offset,
+                                 uint64_t len, struct bcf_write *w);
+
 /* Writethrough writes over clean data the cache holds, with the
  * cache-device write in parallel with the backing write:
  *
@@ -522,6 +531,8 @@ struct bcf_cache_stats {
   uint64_t intent_dropped;       /* clean extents dropped at open in regions
                                     a crash left marked */
   uint64_t invalidates;          /* bcf_invalidate calls */
+  uint64_t invalidates_marked;   /* ... of bypassing writes whose journal
+                                    wait a write-intent mark stood in for */
   /* The export barrier (bcf_cache_set_export): flushes of the export a
    * checkpoint made before writing clean keys, and those that failed. */
   uint64_t export_flushes, export_flush_errors;

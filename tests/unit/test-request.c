@@ -502,6 +502,53 @@ START_TEST (write_over_clean_crash)
 }
 END_TEST
 
+/* A write that goes around the cache (writearound here; the congestion
+ * and sequential bypasses take the same path) over clean cached data
+ * that a checkpoint wrote, in a region a first such write has marked:
+ * its invalidation is not waited for (bcf_invalidate_before_write: the
+ * mark stands in), so a crash right after the write was acknowledged
+ * loses the whiteout and brings the old key back.  The mark, held over
+ * the backing write, makes recovery drop it: the range reads the
+ * export's new data.  Negative control: with bcf_invalidate_before_write
+ * neither marking nor waiting, the range reads the old 0x61 after the
+ * crash. */
+START_TEST (bypass_write_over_clean_crash)
+{
+  struct fx f;
+  uint8_t old[65536], new[65536], got[65536];
+  const uint64_t first = 32 * MiB, off = first + MiB;
+  struct bcf_cache_stats st;
+
+  fx_init (&f, "bypasscrash.img", 64 * MiB, BCF_MODE_WRITEAROUND);
+  pattern (old, sizeof old, 0x61);
+  pattern (new, sizeof new, 0x62);
+  warm_range (&f, old, sizeof old, first);
+  warm_range (&f, old, sizeof old, off);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);     /* old keys on disk */
+  /* Marks the region (one journal write), then relies on it. */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, first, false),
+                    0);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
+                    0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_ge (st.invalidates_marked, 1);
+  ck_assert (!cached (&f, off, sizeof got));
+
+  bcf_req_free (f.r);
+  f.r = NULL;
+  bcf_cache_test_crash (f.c, seed, BCF_IO_CRASH_LOSE_ALL);
+  f.c = NULL;
+  fx_open (&f);
+  for (uint64_t o = first; o <= off; o += off - first) {
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, o), 0);
+    ck_assert_msg (memcmp (got, new, sizeof got) == 0,
+                   "after a crash the cache served the data a bypassing "
+                   "write replaced (at MiB %" PRIu64 ")", o / MiB);
+  }
+  fx_free (&f);
+}
+END_TEST
+
 /* A write over clean cached data whose backing write fails: the client
  * is told so, and the range's old data is gone from the cache (the
  * backing store may hold a part of the new), in memory and after a
@@ -2058,6 +2105,7 @@ request_suite (void)
   ADD (waiting_write_absorbed);
   ADD (dirty_keys_written_back_after_crash);
   ADD (write_over_clean_crash);
+  ADD (bypass_write_over_clean_crash);
   ADD (write_over_clean_fails);
   ADD (writeback_thread_drains);
   ADD (write_during_writeback_ordered);
