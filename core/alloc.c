@@ -406,6 +406,7 @@ alloc_bucket_nowait (struct bcf_cache *c, enum alloc_reserve r,
     b->state = BUCKET_IN_USE;
     b->mark = GC_MARK_METADATA;
     prio_set (b, BCH_BTREE_PRIO);
+    atomic_fetch_add (&a->in_use_marks, 1);
   }
   b->sectors_used = (uint32_t) c->bucket_sectors;
   pthread_mutex_unlock (&a->lock);
@@ -591,8 +592,10 @@ alloc_sectors (struct bcf_cache *c, uint32_t sectors, bool dirty,
       a->open[i].bucket = bucket;
       a->open[i].sectors_free = (uint32_t) c->bucket_sectors;
       a->open[i].dirty = dirty;
-      if (dirty)
+      if (dirty) {
         a->buckets[bucket].mark = GC_MARK_DIRTY;
+        atomic_fetch_add (&a->in_use_marks, 1);
+      }
       pthread_mutex_unlock (&a->lock);
       continue;
     }
@@ -623,6 +626,8 @@ alloc_mark_dirty (struct bcf_cache *c, uint64_t ptr)
     return;
   pthread_mutex_lock (&a->lock);
   if (a->buckets[bi].mark != GC_MARK_METADATA) {
+    if (a->buckets[bi].mark != GC_MARK_DIRTY)
+      atomic_fetch_add (&a->in_use_marks, 1);
     a->buckets[bi].mark = GC_MARK_DIRTY;
     a->buckets[bi].gc_flags |= BUCKET_DIRTIED;
   }
@@ -717,6 +722,7 @@ alloc_prio_write (struct bcf_cache *c)
     a->buckets[newchain[i]].state = BUCKET_IN_USE;
     a->buckets[newchain[i]].mark = GC_MARK_METADATA;
     prio_set (&a->buckets[newchain[i]], BCH_BTREE_PRIO);
+    atomic_fetch_add (&a->in_use_marks, 1);
   }
   for (uint64_t bi = 0; bi < a->nbuckets; bi++) {
     ent[bi].gen = a->buckets[bi].gen;

@@ -300,6 +300,12 @@ bcf_cache_capacity_bytes (const struct bcf_cache *c)
 }
 
 uint64_t
+bcf_cache_in_use_marks (struct bcf_cache *c)
+{
+  return atomic_load (&c->alloc.in_use_marks);
+}
+
+uint64_t
 bcf_cache_dirty_bytes (struct bcf_cache *c)
 {
   /* Written under tree_lock; a racy read is only a moment old. */

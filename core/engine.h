@@ -135,6 +135,9 @@ struct alloc_state {
   atomic_uint waiting;      /* threads waiting for a bucket (GC pacing) */
   /* Buckets with gen != disk_gen; the rule is in alloc.c's header. */
   atomic_uint_fast64_t unpersisted;
+  /* Times a bucket became marked dirty or metadata, the buckets the
+   * writeback's cutoffs count (bcf_cache_in_use_marks). */
+  atomic_uint_fast64_t in_use_marks;
   uint64_t sectors_to_gc;   /* GC trigger countdown */
   uint64_t rescale_sectors; /* prio decay countdown */
 };

@@ -241,6 +241,11 @@ uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
 uint64_t bcf_cache_capacity_bytes (const struct bcf_cache *c);
 /* Bytes of dirty data the cache holds (a counter: no walk). */
 uint64_t bcf_cache_dirty_bytes (struct bcf_cache *c);
+/* How many times since open a bucket became marked as holding dirty data
+ * or metadata (a counter: no walk).  Only GC and the allocator's release
+ * of metadata unmark them, so the buckets dirty or metadata
+ * (bcf_cache_stats) grow by at most this much between two counts. */
+uint64_t bcf_cache_in_use_marks (struct bcf_cache *c);
 /* Has the cache device changed under us: become shorter than at open,
  * or (a file) lost much of its allocated space, as a truncate that later
  * writes grow back with holes does?  Holes read as zeros, not errors, so

@@ -594,9 +594,11 @@ cutoff_case (enum bcf_sync_writes sync_writes)
    * still measure the cache). */
   ck_assert_int_eq (bcf_req_set_writeback_running (f.r, false), 0);
   memset (buf, 0x3c, sizeof buf);
-  /* About 45 % of the 64 MiB cache dirty. */
+  /* About 45 % of the 64 MiB cache dirty, with FUA writes (written back
+   * up to the sync cutoff under either rule: the cutoff counts the
+   * buckets these take as they go). */
   for (; off < 29 * MiB; off += sizeof buf)
-    ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, false),
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, true),
                       0);
   for (int i = 0; i < 300; i++) {
     bcf_req_get_stats (f.r, &rs);
@@ -639,6 +641,70 @@ END_TEST
 START_TEST (cutoff_sync_writes_all)
 {
   cutoff_case (BCF_SYNC_WRITES_ALL);
+}
+END_TEST
+
+/* The sync cutoff holds between two of the controller's counts of the
+ * buckets in use (every writeback_rate_update_seconds, 60 here), where
+ * buckets fill faster than dirty bytes: the setup leaves a quarter of
+ * the cache's bytes dirty spread over nearly half its buckets (16 MiB,
+ * then 7 of every 8 blocks written again, so that each old bucket keeps
+ * an eighth of its data dirty and no GC can reclaim it), and the
+ * controller counts that.  Then 4 KiB writes to new ranges: their dirty
+ * bytes stay under 70 % of the cache while the buckets they open take it
+ * past 70 %.  Those writes must be cut off (written through), and the
+ * buckets dirty or metadata stay within a point of 70 %.  Negative
+ * control: with bcf_writeback_in_use returning only the last count, the
+ * writes go on until the dirty bytes pass 70 %, with 95 % of the
+ * buckets dirty or metadata. */
+START_TEST (cutoff_follows_dirty_buckets)
+{
+  struct fx f;
+  static uint8_t buf[1 << 20];
+  struct bcf_req_stats rs;
+  struct bcf_cache_stats cs;
+  const uint64_t first = 16 * MiB;
+  unsigned worst = 0;
+  uint64_t cut;
+
+  fx_init (&f, "buckets.img", 128 * MiB, BCF_MODE_WRITEBACK);
+  bcf_req_free (f.r);
+  f.ro.background = &f.b;
+  f.ro.writeback_percent = 100;         /* the rate stays at its minimum */
+  f.ro.sequential_cutoff = 0;           /* no stream is bypassed */
+  f.r = bcf_req_new (f.c, &f.ro);
+  ck_assert_ptr_nonnull (f.r);
+  ck_assert_int_eq (bcf_req_set_writeback_running (f.r, false), 0);
+  memset (buf, 0x5a, sizeof buf);
+  for (uint64_t off = 0; off < first; off += sizeof buf)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, false),
+                      0);
+  for (unsigned pass = 1; pass < 8; pass++)
+    for (uint64_t off = pass * BLOCK; off < first; off += 8 * BLOCK)
+      ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, BLOCK, off, false), 0);
+  /* A count now, then none for a minute. */
+  ck_assert_int_eq (bcf_req_set_writeback_update_seconds (f.r, 1), 0);
+  usleep (1500000);
+  ck_assert_int_eq (bcf_req_set_writeback_update_seconds (f.r, 60), 0);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_lt (rs.cache_in_use, BCF_WB_CUTOFF_SYNC);
+  cut = rs.writeback_cutoff_writes;
+
+  for (uint64_t off = 32 * MiB; off < 64 * MiB; off += BLOCK) {
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, BLOCK, off, false), 0);
+    bcf_cache_stats (f.c, &cs);
+    unsigned u = (unsigned) ((cs.buckets_dirty + cs.buckets_meta) * 100
+                             / cs.nbuckets);
+    if (u > worst)
+      worst = u;
+  }
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_gt (rs.writeback_cutoff_writes, cut);
+  ck_assert_msg (worst <= BCF_WB_CUTOFF_SYNC + 1,
+                 "%u %% of the buckets dirty or metadata", worst);
+  ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
+  f.ro.background = NULL;
+  fx_free (&f);
 }
 END_TEST
 
@@ -863,6 +929,7 @@ writeback_suite (void)
   ADD (delay_only_after_whole_index);
   ADD (cutoff_writes_through);
   ADD (cutoff_sync_writes_all);
+  ADD (cutoff_follows_dirty_buckets);
   ADD (failing_device_keeps_dirty_data);
   ADD (dirty_data_never_fills_the_cache);
   ADD (write_over_dirty_device_refuses_writes);
