@@ -711,9 +711,10 @@ bcf_writeback_set_tunables (struct bcf_writeback *wb,
  * writeback_rate_update_seconds.  Between two counts a write flood marks
  * buckets dirty far faster than that: 4 KiB writes at 26k a second open
  * 200 buckets of 512 KiB a second, a quarter of a 2 GiB cache in a 5 s
- * round, where the cutoffs are 40 % and 70 %.  So the buckets marked dirty or metadata since the count are added
- * (new btree nodes and journal buckets take their share): an upper bound,
- * as none is taken as cleaned meanwhile; and the percentage is rounded
+ * round, where the cutoffs are 40 % and 70 %.  So the buckets marked
+ * dirty or metadata since the count are added (new btree nodes and
+ * journal buckets take their share): an upper bound, as none is taken
+ * as cleaned meanwhile; and the percentage is rounded
  * up, so that "past 70 %" means past 70 % of the buckets (bcache's
  * in_use, which the controller uses, is rounded down).  marks_seen is
  * stored after used_seen and loaded before it, so a reader that sees a

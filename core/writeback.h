@@ -102,8 +102,9 @@ void bcf_writeback_get_tunables (struct bcf_writeback *wb,
  * wakes the thread. */
 int bcf_writeback_set_tunables (struct bcf_writeback *wb,
                                 const struct bcf_writeback_tunables *t);
-/* The buckets in use (dirty or metadata), in %, as last measured: the
- * request path's cutoffs read it (bcache's gc_stats.in_use). */
+/* The buckets in use (dirty or metadata), in %, rounded up: as last
+ * counted (bcache's gc_stats.in_use), plus the buckets marked since.
+ * The request path's cutoffs read it. */
 unsigned bcf_writeback_in_use (struct bcf_writeback *wb);
 /* Would bcache's refill_dirty have scanned the whole index: fewer dirty
  * extents than its keybuf holds (500)?  Then the thread sleeps
