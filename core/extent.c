@@ -749,18 +749,33 @@ bcf_invalidate (struct bcf_cache *c, uint64_t offset, uint64_t len,
   return r;
 }
 
+/* The one rule by which a write lets a durable write-intent mark on
+ * [s, e) stand in for waiting until its keys (or whiteouts) are on the
+ * journal (intent.c): while the caller holds the mark, and until a
+ * checkpoint that holds those keys commits, recovery drops every clean
+ * key of the region, so a crash that loses them brings back nothing that
+ * is served.  Not where a dirty version of the range could come back
+ * (returns_dirty: recovery keeps dirty keys and writes them back), nor
+ * with write-intent regions off.  Asked after the keys are in.  True if
+ * the caller now holds the marks (intent_write_end, through
+ * bcf_write_release); false if it must wait instead. */
+static bool
+mark_instead_of_wait (struct bcf_cache *c, uint64_t s, uint64_t e,
+                      bool returns_dirty)
+{
+  return !returns_dirty && !c->opts.write_intent_off &&
+         intent_write_begin (c, s, e) == 0;
+}
+
 /* A write that goes around the cache invalidates the range durably
  * before its backing write (DESIGN.md's bypass-write ordering), which
  * where the range holds data a crash could bring back is a journal write
  * in series with the write: under the congestion bypass, a FUA write on
  * the device that was found congested, for every such write.  A
  * write-intent mark stands in for it as it does for a writethrough
- * write's keys (intent.c): while the mark is held and until a checkpoint
- * that holds the whiteout commits, recovery drops every clean key of the
- * region, so a crash that loses the whiteout brings back nothing that is
- * served.  Not where a dirty version could come back (recovery keeps
- * those): asked after the whiteout is in, under the write's turn, so
- * nothing else changes the range meanwhile, and conservatively (a
+ * write's keys (mark_instead_of_wait).  Whether a dirty version could
+ * come back is asked after the whiteout is in, under the write's turn,
+ * so nothing else changes the range meanwhile, and conservatively (a
  * checkpoint that is not committed counts as bringing everything back).
  * An unmarked region is marked, one journal write, as the invalidation's
  * own would have been; later writes there wait for none. */
@@ -781,7 +796,7 @@ bcf_invalidate_before_write (struct bcf_cache *c, uint64_t offset,
     pthread_rwlock_rdlock (&c->tree_lock);
     returns = btree_range_returns_dirty_locked (c, c->inode, s, e);
     pthread_rwlock_unlock (&c->tree_lock);
-    if (!returns && intent_write_begin (c, s, e) == 0) {
+    if (mark_instead_of_wait (c, s, e, returns)) {
       w->offset = offset;
       w->len = len;
       w->intent = true;
@@ -1018,10 +1033,9 @@ write_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
   w->seq = d.seq;
   w->ordered = d.ordered;
   /* A durable write-intent mark on the range makes the journal wait
-   * unnecessary (intent.c), unless a crash could bring back dirty data
-   * there, which recovery keeps: asked for after the keys are in. */
-  if (kind != WRITE_BACK && w->ordered && !w->intent && !d.returns_dirty &&
-      !c->opts.write_intent_off && intent_write_begin (c, s, e) == 0) {
+   * unnecessary (mark_instead_of_wait). */
+  if (kind != WRITE_BACK && w->ordered && !w->intent &&
+      mark_instead_of_wait (c, s, e, d.returns_dirty)) {
     w->ordered = false;
     w->intent = true;
   }

@@ -1764,14 +1764,15 @@ span_dirty (struct bcf_req *r, struct span s)
   return bcf_cache_dirty_bytes (r->c) > 0 && has_dirty (r, s) != 0;
 }
 
-/* Is the cache past cutoff (a percentage)?  The controller measures the
- * buckets in use only every writeback_rate_update_seconds (and not at all
- * without a thread); the dirty data is a counter, and its share of the
- * cache is a lower bound of the buckets it takes.  Without it a write
- * flood in the first seconds filled the whole cache with dirty data,
- * leaving no free bucket for the metadata an open after a crash must
- * write.  The share is compared exactly: a percentage rounded down let
- * dirty data reach 71 % of a cache with a 70 % cutoff. */
+/* Is the cache past cutoff (a percentage)?  in_use is the writeback
+ * thread's bound on the buckets in use (bcf_writeback_in_use), 0 where
+ * there is no thread.  The dirty data is a counter, and its share of the
+ * cache a lower bound of the buckets it takes, which holds without a
+ * thread too: before it, a write flood in the first seconds filled the
+ * whole cache with dirty data, leaving no free bucket for the metadata
+ * an open after a crash must write.  The share is compared exactly: a
+ * percentage rounded down let dirty data reach 71 % of a cache with a
+ * 70 % cutoff. */
 static bool
 past_cutoff (struct bcf_req *r, unsigned in_use, unsigned cutoff)
 {

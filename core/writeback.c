@@ -81,7 +81,8 @@
  *
  * Locking: lock guards the state the thread and its callers share
  * (stop, kicks, tunables, the controller, the counters); the thread does
- * its I/O with no lock.  in_use is an atomic the request path reads.
+ * its I/O with no lock.  used_seen, marks_seen and nbuckets are atomics
+ * the request path reads (bcf_writeback_in_use).
  */
 #include "config.h"
 
@@ -153,8 +154,7 @@ struct bcf_writeback {
   struct bcf_bypass *tracker;
   struct bcf_backing b;
   uint64_t capacity_sectors;            /* of the cache's buckets */
-  _Atomic unsigned in_use;              /* bcf_writeback_in_use */
-  _Atomic uint64_t used_seen;           /* the buckets in_use counts */
+  _Atomic uint64_t used_seen;           /* buckets dirty or metadata */
   _Atomic uint64_t marks_seen;          /* bcf_cache_in_use_marks then */
   _Atomic uint64_t nbuckets;
 
@@ -559,7 +559,6 @@ update_rate_locked (struct bcf_writeback *wb, uint64_t now)
   };
   wb->front_seen = front;
   atomic_store (&wb->nbuckets, cs.nbuckets);
-  atomic_store (&wb->in_use, in.in_use);
   atomic_store (&wb->used_seen, cs.buckets_dirty + cs.buckets_meta);
   atomic_store (&wb->marks_seen, marks);        /* after used_seen: below */
   wb->st.in_use = in.in_use;
