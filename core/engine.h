@@ -656,6 +656,7 @@ struct bcf_cache {
     atomic_uint_fast64_t inserts, invalidates, invalidates_marked;
     atomic_uint_fast64_t dirty_inserts;
     atomic_uint_fast64_t export_flushes, export_flush_errors;
+    atomic_uint_fast64_t export_flushes_skipped;
     atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,

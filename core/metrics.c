@@ -228,6 +228,10 @@ struct getter {
   X (export_flush_errors, COUNTER, NONE, ENGINE, 0,                         \
      U64 (cache.export_flush_errors), N_CACHE,                              \
      "Those flushes of the export that failed.")                            \
+  X (export_flushes_skipped, COUNTER, NONE, ENGINE, 0,                      \
+     U64 (cache.export_flushes_skipped), N_CACHE,                           \
+     "Flushes of the export not sent: an earlier one covered every "        \
+     "change.")                                                             \
   X (gc_passes, COUNTER, NONE, ENGINE, 0, U64 (cache.gc_passes), N_CACHE,   \
      "Garbage collection passes.")                                          \
   X (gc_slices, COUNTER, NONE, ENGINE, 0, U64 (cache.gc_slices), N_CACHE,   \

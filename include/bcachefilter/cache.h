@@ -541,6 +541,10 @@ struct bcf_cache_stats {
   /* The export barrier (bcf_cache_set_export): flushes of the export a
    * checkpoint made before writing clean keys, and those that failed. */
   uint64_t export_flushes, export_flush_errors;
+  /* Flushes of the export the request layer and the writeback asked for
+   * (bcf_cache_flush_export) and did not send, because a flush that
+   * succeeded had covered every change the export had acknowledged. */
+  uint64_t export_flushes_skipped;
   /* Cache-device I/Os that failed (bcache's errors), injected test
    * faults included: every failed read, write and flush, whoever made it
    * (requests, fills, the journal, GC, the writeback). */

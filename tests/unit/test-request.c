@@ -950,6 +950,48 @@ START_TEST (writethrough_caches_writes)
 }
 END_TEST
 
+/* A flush of the export is sent only when the export changed since one
+ * succeeded (cache.c, bcf_cache_flush_export); a write through the cache
+ * in writethrough is such a change, and the crash model says the flush
+ * that was skipped lost nothing. */
+START_TEST (export_flush_only_after_a_change)
+{
+  struct fx f;
+  uint8_t a[65536], got[65536];
+  struct mem_backing_stats ms;
+  struct bcf_cache_stats cs;
+
+  fx_init (&f, "flush-export.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
+  mem_backing_track_crash (f.mb, true);
+  pattern (a, sizeof a, 0x41);
+  mem_backing_reset_stats (f.mb);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 5 * MiB, false),
+                    0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  mem_backing_get_stats (f.mb, &ms);
+  ck_assert_uint_eq (ms.flushes, 1);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  mem_backing_get_stats (f.mb, &ms);
+  ck_assert_uint_eq (ms.flushes, 1);
+  bcf_cache_stats (f.c, &cs);
+  ck_assert_uint_eq (cs.export_flushes_skipped, 2);
+
+  pattern (a, sizeof a, 0x42);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 5 * MiB, false),
+                    0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  mem_backing_get_stats (f.mb, &ms);
+  ck_assert_uint_eq (ms.flushes, 2);
+  ck_assert_uint_eq (mem_backing_unflushed (f.mb), 0);
+  mem_backing_crash (f.mb, MEM_BACKING_LOSE_ALL, 0);
+  mem_backing_peek (f.mb, got, sizeof got, 5 * MiB);
+  ck_assert_msg (memcmp (got, a, sizeof got) == 0,
+                 "a flushed write was lost by the export's crash");
+  fx_free (&f);
+}
+END_TEST
+
 /* Fills linger to be batched (FILL_LINGER_NS) but must not wait for a
  * FLUSH: a lone miss, and a burst of them, are cached with no drain.  The
  * lookups here do not drain (unlike cached()); a fill that only ran at
@@ -2111,6 +2153,7 @@ request_suite (void)
   ADD (write_during_writeback_ordered);
   ADD (writethrough_caches_writes);
   ADD (fills_run_without_drain);
+  ADD (export_flush_only_after_a_change);
   ADD (unaligned_requests);
   ADD (bypass_rules);
   ADD (device_errors_pass_through);
