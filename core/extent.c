@@ -1376,12 +1376,26 @@ bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e)
   return n < 0 ? n : n << BCH_SECTOR_SHIFT;
 }
 
+/* The open entry: every key added so far is in it or in an older one,
+ * and entries become durable in seq order (journal.c). */
+uint64_t
+bcf_flush_point (struct bcf_cache *c)
+{
+  return journal_open_seq (c);
+}
+
 int
-bcf_flush (struct bcf_cache *c)
+bcf_flush_upto (struct bcf_cache *c, uint64_t point)
 {
   if (c->opts.readonly)
     return 0;             /* nothing was written */
-  return journal_flush_seq (c, journal_open_seq (c));
+  return journal_flush_seq (c, point);
+}
+
+int
+bcf_flush (struct bcf_cache *c)
+{
+  return bcf_flush_upto (c, bcf_flush_point (c));
 }
 
 int

@@ -199,8 +199,8 @@
  * only do not insert misses.
  *
  * Flush drains the fill queue (fills queued before it complete) and then
- * writes the journal, so what was cached before a flush is still cached
- * after a crash.
+ * makes the journal durable up to what the writes, trims and zeroes that
+ * returned before it put there (ACKED), no further.
  *
  * In flight: every entry point a client request comes through (read,
  * prefetch, write, trim, zero, flush, has_dirty) is counted in the
@@ -306,6 +306,9 @@ struct bcf_req {
   struct bcf_writeback_stats wb_hand;
   pthread_mutex_t wb_hand_lock;
   _Atomic uint64_t wb_writes, wb_cutoff_writes;
+  /* The largest bcf_flush_point read as a write, trim or zero returned
+   * (ACKED): what a client's flush must make durable. */
+  _Atomic uint64_t acked_point;
   uint64_t capacity_bytes;      /* of the cache's buckets */
   atomic_bool failing;          /* errors past the limit, dirty data kept */
   _Atomic int detach;           /* enum bcf_detach_state */
@@ -334,6 +337,35 @@ inflight_leave (struct bcf_inflight **t)
   struct bcf_inflight *in_flight_                                       \
     __attribute__ ((cleanup (inflight_leave), unused)) =               \
     bcf_inflight_enter ((r)->c)
+
+/* What a flush covers.  NBD's flush must make durable every write the
+ * server completed before the flush arrived, and no more.  So every
+ * entry point that changes data (write, trim, zero) raises acked_point
+ * to bcf_flush_point as it returns, by which time every key it added is
+ * in an entry up to that point; bcf_req_flush reads acked_point as it
+ * arrives and waits for the journal up to there only.  A flush that
+ * arrives while an entry is being written and no request has returned
+ * since the entry was sealed waits for that entry alone, where waiting
+ * for the open entry would also wait for a second journal write, for
+ * the keys of requests not yet acknowledged.  (fio's fsync=N sends its
+ * flushes in bursts like that, and so does a guest whose filesystem
+ * flushes from several threads.)  A request that returns after the
+ * flush's read is not covered, and need not be: it completed after the
+ * flush arrived. */
+static inline void
+acked_leave (struct bcf_req **r)
+{
+  uint64_t point = bcf_flush_point ((*r)->c);
+  uint64_t seen = atomic_load (&(*r)->acked_point);
+
+  while (seen < point &&
+         !atomic_compare_exchange_weak (&(*r)->acked_point, &seen, point))
+    ;
+}
+
+#define ACKED(r)                                                        \
+  struct bcf_req *acked_                                                \
+    __attribute__ ((cleanup (acked_leave), unused)) = (r)
 
 /* The request latency histograms (stats.h): TIMED (r, kind, on) at the
  * top of an entry point reads the clock if on, and the cleanup attribute
@@ -1970,6 +2002,7 @@ bcf_req_write (struct bcf_req *r, const struct bcf_backing *b,
                const void *buf, uint32_t count, uint64_t offset, bool fua)
 {
   IN_FLIGHT (r);
+  ACKED (r);
   TIMED (r, BCF_LAT_WRITE, true);
   struct span s, in;
   struct bcf_bypass_token tok;
@@ -2182,6 +2215,7 @@ bcf_req_trim (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool fua)
 {
   IN_FLIGHT (r);
+  ACKED (r);
   int rc = change_range (r, b, count, offset + r->offset, call_trim, NULL);
 
   /* The backing trim has no FUA of its own in the ops: flush. */
@@ -2195,6 +2229,7 @@ bcf_req_zero (struct bcf_req *r, const struct bcf_backing *b,
               uint32_t count, uint64_t offset, bool may_trim, bool fua)
 {
   IN_FLIGHT (r);
+  ACKED (r);
   struct zero_args z = { .may_trim = may_trim };
   int rc = change_range (r, b, count, offset + r->offset, call_zero, &z);
 
@@ -2208,6 +2243,7 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
 {
   IN_FLIGHT (r);
   TIMED (r, BCF_LAT_FLUSH, true);
+  uint64_t point = atomic_load (&r->acked_point);     /* ACKED says why */
   int rc = bcf_cache_flush_export (r->c, b);
 
   bcf_req_drain (r);
@@ -2217,7 +2253,7 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
    * are made durable too so that a flush also keeps the cache warm.  In
    * writeback mode, and wherever dirty data exists, the journal holds
    * acknowledged writes: a flush that cannot make it durable fails. */
-  if (rc == 0 && !cache_off (r) && bcf_flush (r->c) < 0) {
+  if (rc == 0 && !cache_off (r) && bcf_flush_upto (r->c, point) < 0) {
     device_error (r);
     if (atomic_load (&r->mode) == BCF_MODE_WRITEBACK ||
         bcf_cache_dirty_bytes (r->c) > 0)

@@ -493,6 +493,13 @@ int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
 
 /* Make every insert and invalidation returned so far durable (FLUSH). */
 int bcf_flush (struct bcf_cache *c);
+/* The same in two steps, for a caller that knows which inserts a flush
+ * must cover: bcf_flush_point, read after an insert or invalidation
+ * returned, names a point that covers it; bcf_flush_upto makes
+ * everything up to that point durable (and nothing inserted after it
+ * need be).  Points only grow; the larger of two covers both. */
+uint64_t bcf_flush_point (struct bcf_cache *c);
+int bcf_flush_upto (struct bcf_cache *c, uint64_t point);
 
 /* Foreground requests: the request layer counts each client request in
  * for its whole duration, so GC keeps its slices short while anyone waits

@@ -950,6 +950,67 @@ START_TEST (writethrough_caches_writes)
 }
 END_TEST
 
+static uint64_t
+journal_writes (struct fx *f)
+{
+  struct bcf_cache_stats cs;
+
+  bcf_cache_stats (f->c, &cs);
+  return cs.journal_writes;
+}
+
+/* A flush covers what returned before it arrived (request.c, ACKED), and
+ * no more.  A writeback write's key in the journal that no request has
+ * returned for (here one made by the engine directly, as a write still
+ * in flight has made it) is not waited for; the next write that returns
+ * is, and that flush covers both.  Waiting for the open entry instead
+ * (the flush before) writes a journal entry at the second flush.  And
+ * the export is not flushed: nothing reached it. */
+START_TEST (flush_covers_what_returned)
+{
+  struct fx f;
+  uint8_t a[4096], b[4096], got[4096];
+  struct bcf_write w;
+  struct mem_backing_stats ms;
+  uint64_t jw;
+
+  fx_init (&f, "flush-acked.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  pattern (a, sizeof a, 0x31);
+  pattern (b, sizeof b, 0x32);
+  mem_backing_reset_stats (f.mb);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 1 * MiB, false),
+                    0);
+  jw = journal_writes (&f);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert_uint_eq (journal_writes (&f), jw + 1);
+
+  /* In flight: its key is in the open entry, it has not returned. */
+  ck_assert_int_eq (bcf_write_begin_back (f.c, 2 * MiB, sizeof b, b, &w), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert_msg (journal_writes (&f) == jw + 1,
+                 "a flush waited for a write that had not returned "
+                 "(journal writes %" PRIu64 " -> %" PRIu64 ")", jw + 1,
+                 journal_writes (&f));
+  bcf_write_release (f.c, &w);
+
+  /* A write that returned: the flush covers it, and the one before. */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, 3 * MiB, false),
+                    0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert_uint_eq (journal_writes (&f), jw + 2);
+  mem_backing_get_stats (f.mb, &ms);
+  ck_assert_uint_eq (ms.writes, 0);
+  ck_assert_uint_eq (ms.flushes, 0);
+
+  /* That the flushed writes survive a crash is test-writeback's
+   * flushed_writes_survive_a_crash: it fails if no entry point raises
+   * the point a flush waits for. */
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 2 * MiB), 0);
+  ck_assert (memcmp (got, b, sizeof got) == 0);
+  fx_free (&f);
+}
+END_TEST
+
 /* A flush of the export is sent only when the export changed since one
  * succeeded (cache.c, bcf_cache_flush_export); a write through the cache
  * in writethrough is such a change, and the crash model says the flush
@@ -2153,6 +2214,7 @@ request_suite (void)
   ADD (write_during_writeback_ordered);
   ADD (writethrough_caches_writes);
   ADD (fills_run_without_drain);
+  ADD (flush_covers_what_returned);
   ADD (export_flush_only_after_a_change);
   ADD (unaligned_requests);
   ADD (bypass_rules);
