@@ -17,7 +17,7 @@
 #             4 KiB writes at QD1 and QD16.  WB_BS is the most the
 #             writeback sends in one backing write (RUN_MAX_BYTES in
 #             core/writeback.c, read from the source: 4 MiB), WB_QD the
-#             most backing writes it has in flight (WRITERS there: 4):
+#             most backing writes it has in flight (WRITERS there: 16):
 #             for each batch (one scan of at most 128 dirty extents, cut
 #             into at most 64 runs of contiguous extents, 64 MiB) its
 #             writers read runs from the cache and write them to the
@@ -97,9 +97,11 @@
 #             random 4 KiB write IOPS at the depth RATE_BASIS names: qd1
 #             (the default: a load the writeback keeps up with even
 #             with one backing write in flight, as it had until
-#             WRITERS); with qd16 the load is below the export's speed
-#             for fio but several times what the writeback can write
-#             back to a 1 ms remote with WRITERS writes in flight, and
+#             WRITERS); with qd16 the load (~17 MiB/s here) is below
+#             the export's speed for fio, and since WRITERS is 16 below
+#             what the writeback drains random keys at (26.6 MiB/s), but
+#             bcache's proportional term alone would hold dirty data
+#             ~67 points above the target (the summary prints it), and
 #             dirty data climbs to the cutoff instead.  Why the pre-fill: bcache's controller
 #             (p_term_inverse 40) holds dirty data about 40 s of the load
 #             above the target until its integral term, which needs

@@ -5,7 +5,7 @@
 # nbdkit serialises the clients' requests as the plugin's thread model
 # asks, but not the calls the filter's own threads make on its own
 # context into the export: the writeback thread and its writers
-# (core/writeback.c, up to 4 backing writes in flight).  nbdkit-filter(3)
+# (core/writeback.c, up to 16 backing writes in flight).  nbdkit-filter(3)
 # leaves that to the filter (plugin/backing.c serialises them).
 #
 # The export is nbdkit's eval plugin over a file, in its default model
