@@ -313,6 +313,12 @@ bcf_cache_dirty_bytes (struct bcf_cache *c)
          << BCH_SECTOR_SHIFT;
 }
 
+uint64_t
+bcf_cache_dirty_inserts (struct bcf_cache *c)
+{
+  return atomic_load (&c->stats.dirty_inserts);   /* seq_cst: D4 */
+}
+
 const char *
 bcf_cache_device_lost (struct bcf_cache *c)
 {

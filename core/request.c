@@ -864,13 +864,27 @@ wait_for_writes_in_flight (struct bcf_req *r)
  *      counted in dirty_bytes now.
  *  D3. write back at full speed until dirty_bytes is 0.  After D2 only
  *      writes over dirty data make dirty keys (every mode caches them as
- *      writethrough does), and such a write holds its span in the tracker
- *      from before its check (span_dirty, with dirty_bytes > 0) until
- *      after its keys are clean again or, its backing write failed, kept
- *      dirty: the writeback of that span waits for it, so dirty_bytes
- *      stays above 0 for the whole of its life.  Once dirty_bytes is seen
- *      at 0, no such write is in flight and none can start (a span is
- *      dirty only if something is).  So it stays 0.
+ *      writethrough does; in writeback mode they stay dirty after their
+ *      backing write, for the writeback to clean).  Seeing 0 once is not
+ *      enough: a write W that registered after a run of the writeback
+ *      goes on once the run's backing write is done (B3), before the run
+ *      marks its keys clean (B5); W can see the span dirty, the run then
+ *      clean the last dirty key, and W insert its own dirty key after
+ *      dirty_bytes was seen at 0 (test-filter-detach caught that, with
+ *      the dirty key left in a detached cache).  So:
+ *  D4. settle: read the count of dirty inserts (g), then see dirty_bytes
+ *      at 0 (T0), then wait for every write registered so far, as D2
+ *      (the barrier, from T1), then see dirty_bytes at 0 and g unchanged
+ *      (T4); else back to D3.  Why then no dirty key can appear: a write
+ *      inserts one only over a dirty key it saw at its check.  Nothing
+ *      was dirty at T0 (g's read is seq_cst, so an insert counted before
+ *      it is seen by the read of dirty_bytes after it).  A write that
+ *      checked before T0 registered before T1, so it finished before the
+ *      barrier's turn, and had it inserted, g would have changed.  So no
+ *      key became dirty between T0 and the barrier's end, and a write
+ *      registered after T1 checks only after that end (the barrier spans
+ *      the whole store), finds nothing dirty, and inserts nothing dirty:
+ *      nor does any later write.
  * Then bcf_req_detach_finish may mark the cache detached and pass
  * everything through: requests already under way finish with the cache
  * (clean data, never served again), later ones never touch it.
@@ -889,8 +903,17 @@ bcf_req_detach_drain (struct bcf_req *r, const struct bcf_backing *b,
                                        BCF_DETACH_DRAINING))
     return expected == BCF_DETACH_DONE ? -EALREADY : -EBUSY;
   wait_for_writes_in_flight (r);                               /* D2 */
-  while (bcf_cache_dirty_bytes (r->c) > 0) {                    /* D3 */
-    rc = bcf_req_flush_dirty (r, b, 1000, NULL, NULL);
+  for (;;) {
+    uint64_t g = bcf_cache_dirty_inserts (r->c);               /* D4 */
+
+    if (bcf_cache_dirty_bytes (r->c) == 0) {
+      wait_for_writes_in_flight (r);
+      if (bcf_cache_dirty_bytes (r->c) == 0 &&
+          bcf_cache_dirty_inserts (r->c) == g)
+        break;
+      continue;
+    }
+    rc = bcf_req_flush_dirty (r, b, 1000, NULL, NULL);         /* D3 */
     if (rc == -ETIMEDOUT)
       rc = 0;
     if (rc < 0)

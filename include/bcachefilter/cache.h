@@ -241,6 +241,9 @@ uint64_t bcf_cache_backing_size (const struct bcf_cache *c);
 uint64_t bcf_cache_capacity_bytes (const struct bcf_cache *c);
 /* Bytes of dirty data the cache holds (a counter: no walk). */
 uint64_t bcf_cache_dirty_bytes (struct bcf_cache *c);
+/* Writes inserted as dirty keys so far (the stat dirty_inserts), counted
+ * after the insert, seq_cst: the detach's settle check (request.c, D4). */
+uint64_t bcf_cache_dirty_inserts (struct bcf_cache *c);
 /* How many times since open a bucket became marked as holding dirty data
  * or metadata (a counter: no walk).  Only GC and the allocator's release
  * of metadata unmark them, so the buckets dirty or metadata

@@ -717,6 +717,92 @@ START_TEST (write_during_writeback_ordered)
 }
 END_TEST
 
+struct detach_arg {
+  struct fx *f;
+  int result;
+  atomic_bool done;
+};
+
+static void *
+detach_thread_fn (void *arg)
+{
+  struct detach_arg *a = arg;
+
+  a->result = bcf_req_detach_drain (a->f->r, &a->f->b, NULL, NULL);
+  atomic_store (&a->done, true);
+  return NULL;
+}
+
+/* The detach's drain must not end while a write that saw dirty data can
+ * still insert a dirty key (request.c, D4).  The bad interleaving: the
+ * drain writes back block A's dirty key K0, and its backing write is
+ * held (gate 1) while write W, an unaligned write over A and the
+ * uncached block after it, registers behind it.  Released, the run's
+ * backing write lets W go: W sees A dirty, and reads the uncached
+ * block's old bytes from the backing store to write whole blocks, where
+ * it is held (gate 2).  The run marks K0 clean: nothing is dirty.  A
+ * drain that stops there returns while W, released, then caches its
+ * blocks as dirty keys: a detached cache with dirty data (what
+ * test-filter-detach caught once in CI).  Fixed, the drain waits for W
+ * and writes its keys back too. */
+START_TEST (detach_waits_for_writes_that_saw_dirty)
+{
+  struct fx f;
+  uint8_t a[4096], w[4096], got[8192];
+  const uint64_t off = 20 * MiB;
+  struct mem_backing_gate *g1, *g2;
+  struct detach_arg da;
+  struct writer wr;
+  pthread_t td, tw;
+  bool returned_early;
+
+  fx_init (&f, "detach-race.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  pattern (a, sizeof a, 0x51);
+  pattern (w, sizeof w, 0x52);
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a, off, false), 0);
+  ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), sizeof a);
+
+  g1 = mem_backing_gate_arm (f.mb, MEM_BACKING_WRITE, MEM_BACKING_BEFORE_IO,
+                             off, sizeof a);
+  da = (struct detach_arg) { .f = &f };
+  ck_assert_int_eq (pthread_create (&td, NULL, detach_thread_fn, &da), 0);
+  ck_assert (mem_backing_gate_wait_hit (g1, 10000));
+
+  g2 = mem_backing_gate_arm (f.mb, MEM_BACKING_READ, MEM_BACKING_BEFORE_IO,
+                             off + 4096, 4096);
+  wr = (struct writer) { .f = &f, .buf = w, .len = sizeof w,
+                         .off = off + 2048 };
+  ck_assert_int_eq (pthread_create (&tw, NULL, writer_thread, &wr), 0);
+  for (int i = 0; i < 1000 && bcf_req_test_writes_waiting (f.r) == 0; i++)
+    usleep (1000);
+  ck_assert_uint_eq (bcf_req_test_writes_waiting (f.r), 1);
+  mem_backing_gate_release (g1);
+  ck_assert (mem_backing_gate_wait_hit (g2, 10000));
+  for (int i = 0; i < 10000 && bcf_cache_dirty_bytes (f.c) > 0; i++)
+    usleep (1000);
+  ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), 0);
+  usleep (200 * 1000);          /* a drain that ends now has ended */
+  returned_early = atomic_load (&da.done);
+  mem_backing_gate_release (g2);
+  pthread_join (tw, NULL);
+  pthread_join (td, NULL);
+  ck_assert_int_eq (wr.result, 0);
+  ck_assert_int_eq (da.result, 0);
+  ck_assert_msg (bcf_cache_dirty_bytes (f.c) == 0,
+                 "the drain ended (%s the write that saw dirty data was "
+                 "released) with %" PRIu64 " bytes dirty",
+                 returned_early ? "before" : "after",
+                 bcf_cache_dirty_bytes (f.c));
+  ck_assert (!returned_early);
+  /* And the export has the write, over A's old data. */
+  mem_backing_peek (f.mb, got, sizeof got, off);
+  ck_assert (memcmp (got, a, 2048) == 0);
+  ck_assert (memcmp (got + 2048, w, sizeof w) == 0);
+  ck_assert_int_eq (bcf_req_detach_finish (f.r), 0);
+  fx_free (&f);
+}
+END_TEST
+
 /* Two overlapping writes, W1 parked at its backing write (before or
  * after the I/O) while W2 comes.  With the ordering (bcf_bypass_wait_turn)
  * W2 waits for W1, so the backing store sees W1 then W2, and the cache
@@ -2212,6 +2298,7 @@ request_suite (void)
   ADD (write_over_clean_fails);
   ADD (writeback_thread_drains);
   ADD (write_during_writeback_ordered);
+  ADD (detach_waits_for_writes_that_saw_dirty);
   ADD (writethrough_caches_writes);
   ADD (fills_run_without_drain);
   ADD (flush_covers_what_returned);
