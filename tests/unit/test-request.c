@@ -738,9 +738,11 @@ detach_thread_fn (void *arg)
  * drain writes back block A's dirty key K0, and its backing write is
  * held (gate 1) while write W, an unaligned write over A and the
  * uncached block after it, registers behind it.  Released, the run's
- * backing write lets W go: W sees A dirty, and reads the uncached
- * block's old bytes from the backing store to write whole blocks, where
- * it is held (gate 2).  The run marks K0 clean: nothing is dirty.  A
+ * backing write lets W go, and the run is held at its export flush
+ * (gate 3), before it marks K0 clean: W sees A dirty, and reads the
+ * uncached block's old bytes from the backing store to write whole
+ * blocks, where it is held (gate 2).  Then the run goes on and marks K0
+ * clean: nothing is dirty.  A
  * drain that stops there returns while W, released, then caches its
  * blocks as dirty keys: a detached cache with dirty data (what
  * test-filter-detach caught once in CI).  Fixed, the drain waits for W
@@ -750,7 +752,7 @@ START_TEST (detach_waits_for_writes_that_saw_dirty)
   struct fx f;
   uint8_t a[4096], w[4096], got[8192];
   const uint64_t off = 20 * MiB;
-  struct mem_backing_gate *g1, *g2;
+  struct mem_backing_gate *g1, *g2, *g3;
   struct detach_arg da;
   struct writer wr;
   pthread_t td, tw;
@@ -776,8 +778,12 @@ START_TEST (detach_waits_for_writes_that_saw_dirty)
   for (int i = 0; i < 1000 && bcf_req_test_writes_waiting (f.r) == 0; i++)
     usleep (1000);
   ck_assert_uint_eq (bcf_req_test_writes_waiting (f.r), 1);
+  g3 = mem_backing_gate_arm (f.mb, MEM_BACKING_FLUSH, MEM_BACKING_BEFORE_IO,
+                             0, 0);
   mem_backing_gate_release (g1);
+  ck_assert (mem_backing_gate_wait_hit (g3, 10000));
   ck_assert (mem_backing_gate_wait_hit (g2, 10000));
+  mem_backing_gate_release (g3);
   for (int i = 0; i < 10000 && bcf_cache_dirty_bytes (f.c) > 0; i++)
     usleep (1000);
   ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), 0);
