@@ -497,7 +497,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
                          &st->congested_write_threshold_us);
   st->congested = bcf_io_congested (c->io);
   pthread_mutex_lock (&c->journal.lock);
-  st->journal_seq = c->journal.seq;
+  st->journal_seq = journal_open_seq (c);
   st->journal_last_seq = c->journal.last_seq;
   st->journal_writes = c->journal.writes;
   pthread_mutex_unlock (&c->journal.lock);

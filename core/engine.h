@@ -385,7 +385,9 @@ int btree_node_read (struct bcf_cache *c, struct btree_node *n, char *err,
 struct journal {
   pthread_mutex_t lock;
   pthread_cond_t wait;
-  uint64_t seq;               /* seq of the pending (open) entry */
+  uint64_t seq;               /* seq of the pending (open) entry; changed
+                                 under lock with an atomic store, read
+                                 without it by journal_open_seq */
   uint64_t durable_seq;       /* newest entry known durable */
   uint64_t last_seq;          /* oldest entry still needed (committed) */
   uint64_t *pending;          /* key words of the open entry */

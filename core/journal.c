@@ -300,7 +300,7 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   j->pending_dirty = false;
   j->pending_data = false;
   j->sealed = false;
-  j->seq++;
+  __atomic_store_n (&j->seq, seq + 1, __ATOMIC_RELEASE); /* journal_open_seq */
   j->cur = bucket;
   j->cur_offset = offset + len;
   j->bucket_seq[bucket] = seq;
@@ -404,15 +404,14 @@ journal_flush_sealed (struct bcf_cache *c, uint64_t seq)
   return flush_seq (c, seq, true);
 }
 
+/* Without the lock: every write, trim and zero reads it as it returns
+ * (request.c, ACKED).  A caller that added a key under the lock reads
+ * that key's seq or a later one (the store under the lock came before
+ * its unlock, which came before this load). */
 uint64_t
 journal_open_seq (struct bcf_cache *c)
 {
-  uint64_t seq;
-
-  pthread_mutex_lock (&c->journal.lock);
-  seq = c->journal.seq;
-  pthread_mutex_unlock (&c->journal.lock);
-  return seq;
+  return __atomic_load_n (&c->journal.seq, __ATOMIC_ACQUIRE);
 }
 
 int

@@ -2272,10 +2272,11 @@ bcf_req_flush (struct bcf_req *r, const struct bcf_backing *b)
   bcf_req_drain (r);
 
   /* Nothing acknowledged depends on the cache's journal in the clean
-   * modes (invalidations are durable before their writes), but inserts
-   * are made durable too so that a flush also keeps the cache warm.  In
-   * writeback mode, and wherever dirty data exists, the journal holds
-   * acknowledged writes: a flush that cannot make it durable fails. */
+   * modes (invalidations are durable before their writes), but the keys
+   * of the writes that returned are made durable too, so that a flush
+   * also keeps them cached after a crash.  In writeback mode, and
+   * wherever dirty data exists, the journal holds acknowledged writes: a
+   * flush that cannot make it durable fails. */
   if (rc == 0 && !cache_off (r) && bcf_flush_upto (r->c, point) < 0) {
     device_error (r);
     if (atomic_load (&r->mode) == BCF_MODE_WRITEBACK ||
