@@ -350,6 +350,9 @@ struct getter {
   X (writeback_read_errors, COUNTER, NONE, ENGINE, 0,                       \
      U64 (req.writeback_read_errors), N_REQ,                                \
      "Writebacks whose read of the cache failed.")                          \
+  X (writeback_gc_requests, COUNTER, NONE, ENGINE, 0,                       \
+     U64 (req.writeback_gc_requests), N_REQ,                                \
+     "GCs the writeback asked for to count the buckets it cleaned.")        \
   X (writeback_writes, COUNTER, NONE, ENGINE, 0,                            \
      U64 (req.writeback_writes), N_REQ,                                     \
      "Writes acknowledged from the cache (writeback mode).")                \

@@ -1057,6 +1057,7 @@ bcf_req_writeback (struct bcf_req *r, const struct bcf_backing *b)
   r->wb_hand.backing_errors += st.backing_errors;
   r->wb_hand.read_errors += st.read_errors;
   r->wb_hand.retries += st.retries;
+  r->wb_hand.gc_requests += st.gc_requests;
   pthread_mutex_unlock (&r->wb_hand_lock);
   return rc;
 }
@@ -1124,6 +1125,7 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
                                    r->wb_hand.backing_errors;
     st->writeback_read_errors = w.read_errors + r->wb_hand.read_errors;
     st->writeback_retries = w.retries + r->wb_hand.retries;
+    st->writeback_gc_requests = w.gc_requests + r->wb_hand.gc_requests;
     pthread_mutex_unlock (&r->wb_hand_lock);
   }
   pthread_mutex_lock (&r->fill_lock);

@@ -175,6 +175,8 @@ struct bcf_writeback {
   uint64_t front_seen;                  /* bcf_cache_requests, last round */
   pthread_t thread;
   uint64_t passes, idle_passes;
+  uint64_t cleaned_since_gc;            /* bytes marked clean since the
+                                           last GC this thread asked for */
   struct bcf_writeback_stats st;
   struct writers w;
 };
@@ -447,8 +449,10 @@ write_batch (struct bcf_writeback *wb, const struct bcf_extent *ext,
           wb->st.keys_done++;
         else
           wb->st.keys_failed++;
-        if (clean > 0)
+        if (clean > 0) {
           wb->st.bytes_written += (uint64_t) clean;
+          wb->cleaned_since_gc += (uint64_t) clean;
+        }
         pthread_mutex_unlock (&wb->lock);
       }
     bcf_bypass_end (wb->tracker, &r->tok);
@@ -579,6 +583,35 @@ pass_ended_locked (struct bcf_writeback *wb, int rc)
   pthread_cond_broadcast (&wb->flushed);
 }
 
+/* A GC once the writeback has cleaned a sixteenth of the cache, or all
+ * its dirty data, while the buckets counted in use are past
+ * cutoff_writeback.  Why: the count is GC's marks, and a bucket stays
+ * marked dirty until a GC walks the tree again; GC runs when the
+ * allocator has handed out a sixteenth of the cache or runs short.
+ * Past the cutoffs writes are written through and streams bypass, so
+ * little is allocated, and a cache whose dirty data was all written
+ * back went on counting itself 70 % dirty, cutting writes off, until
+ * enough writes had been cached to start one (bcache's "permanent
+ * bypass once the cache is full", research/bcache.md §4.4; its fixes
+ * are a GC when the backing device is clean and gc_after_writeback).
+ * Below cutoff_writeback the marks change nothing a write sees, and
+ * the allocator asks for its own GC when it needs the buckets, so no
+ * GC is spent there.  Under lock. */
+static void
+gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
+{
+  uint64_t sixteenth = (wb->capacity_sectors << 9) / 16;
+
+  if (wb->cleaned_since_gc == 0 ||
+      (!all_clean && wb->cleaned_since_gc < sixteenth))
+    return;
+  if (bcf_writeback_in_use (wb) <= BCF_WB_CUTOFF)
+    return;
+  wb->cleaned_since_gc = 0;
+  wb->st.gc_requests++;
+  bcf_trigger_gc (wb->c);
+}
+
 static void *
 writeback_thread (void *arg)
 {
@@ -604,6 +637,7 @@ writeback_thread (void *arg)
       if (bcf_cache_dirty_bytes (wb->c) == 0) {
         pos = 0;
         wb->hurry = false;
+        gc_after_cleaning_locked (wb, true);
         pass_ended_locked (wb, 0);
       }
       sleep_locked (wb, wb->t.writeback ? next_update - now
@@ -629,6 +663,7 @@ writeback_thread (void *arg)
       continue;
     }
     backoff = 0;
+    gc_after_cleaning_locked (wb, bcf_cache_dirty_bytes (wb->c) == 0);
     if (rc == 1) {
       /* The end of the key space: bcache sleeps writeback_delay before
        * it scans again only if the scan saw the whole index, else wraps

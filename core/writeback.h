@@ -84,6 +84,8 @@ struct bcf_writeback_stats {
   uint64_t backing_errors;      /* backing writes / flushes that failed */
   uint64_t read_errors;         /* cache reads of dirty data that failed */
   uint64_t retries;             /* passes given up after an error */
+  uint64_t gc_requests;         /* GCs asked for to count the buckets it
+                                   cleaned (gc_after_cleaning_locked) */
   struct bcf_wb_pi rate;        /* the controller, as last updated */
   unsigned in_use;              /* % of buckets dirty or metadata */
   bool flushing;                /* a flush waits: full speed */

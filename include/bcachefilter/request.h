@@ -263,6 +263,9 @@ struct bcf_req_stats {
   uint64_t writeback_keys_done, writeback_keys_failed, writeback_bytes,
            writeback_backing_errors, writeback_read_errors,
            writeback_retries;
+  /* GCs the writeback asked for, to count the buckets it cleaned while
+   * the cutoffs applied. */
+  uint64_t writeback_gc_requests;
   uint64_t fill_queue_bytes;    /* data waiting to be written to the cache */
   /* Writeback mode. */
   uint64_t writeback_writes;    /* writes acknowledged from the cache */
