@@ -19,8 +19,9 @@
 #      controller, which counts the buckets every 5 s);
 #   3. BURST_SECONDS of the same writes.
 #
-# and prints, per filter: the flood's IOPS and its writes written
-# through (writeback_cutoff_writes), cache_available_percent and GC
+# and prints, per filter: the flood's IOPS (also second by second: where
+# it passes the cutoffs) and its writes written through
+# (writeback_cutoff_writes), cache_available_percent and GC
 # passes after step 2, and the burst's IOPS and the share of its writes
 # written through.  The expected result: after a full writeback the
 # burst is cached (few or no cut-off writes), as the first seconds of
@@ -76,8 +77,8 @@ RSOCK=$WORKDIR/remote.sock FSOCK=$WORKDIR/front.sock CTL=$WORKDIR/ctl.sock
 writes() {
     fio --name="$1" --ioengine=nbd --uri="$(uri "$FSOCK")" --rw=randwrite \
         --bs=4k --iodepth=16 --size="$BYTES" --norandommap --time_based \
-        --runtime="$2" --output-format=json --output="$OUTDIR/$1.json" \
-        >/dev/null
+        --runtime="$2" --write_iops_log="$OUTDIR/$1" --log_avg_msec=1000 \
+        --output-format=json --output="$OUTDIR/$1.json" >/dev/null
     python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print("%.0f" % j["jobs"][0]["write"]["iops"])' "$OUTDIR/$1.json"
 }
 # snap FILE: the filter's statistics, saved.
@@ -96,6 +97,7 @@ print(bcfstats.load(sys.argv[1])[sys.argv[2]])' "$1" "$2"
 }
 
 rows=()
+series=()
 n=0
 for so in $FILTER_SOS; do
     n=$((n + 1))
@@ -131,6 +133,7 @@ for so in $FILTER_SOS; do
     dirty=$(value "$OUTDIR/$tag.2.json" dirty_data)
     share=$(python3 -c "import sys; c,w=int(sys.argv[1]),int(sys.argv[2]); print('%.0f %%' % (100*c/(c+w)) if c+w else '-')" "$bcut" "$bwb")
     rows+=("| $tag | $flood | $fcut | $dirty | $avail | $gcs | $burst | $bcut ($share) |")
+    series+=("$tag: $(awk -F, '{ printf "%s%d", (NR > 1 ? " " : ""), $2 }' "$OUTDIR/$tag.flood_iops.1.log")")
 done
 
 {
@@ -141,5 +144,9 @@ done
     echo "| filter | flood IOPS | flood writes cut off | after flush: dirty bytes | cache_available_percent | GC passes during flush + settle | burst IOPS | burst writes cut off (share) |"
     echo "|---|---:|---:|---:|---:|---:|---:|---:|"
     printf '%s\n' "${rows[@]}"
+    echo
+    echo "The flood's write IOPS, second by second (fio's --write_iops_log):"
+    echo
+    printf '    %s\n' "${series[@]}"
 } | tee "$OUTDIR/summary.md"
 say "results in $OUTDIR"
