@@ -1444,10 +1444,29 @@ read_miss (struct bcf_req *r, const struct bcf_backing *b,
   return 0;
 }
 
-/* Read a hit; on a race or a device error, from the backing store. */
+static int read_span_again (struct bcf_req *r, const struct bcf_backing *b,
+                            struct span s, uint8_t *buf, unsigned again);
+
+/* How often a dirty hit whose bucket was reused under the read is looked
+ * up again before the read fails (each time needs another key replaced
+ * and its bucket collected, invalidated and persisted within one read). */
+#define DIRTY_RACE_RETRIES 4
+
+/* Read a hit; on a race or a device error of a clean hit, from the
+ * backing store.  again: how many times this range was looked up again
+ * after a race (read_span_again).
+ *
+ * A race on a dirty hit (-ESTALE: its bucket was invalidated while we
+ * read) means the key we read was replaced or marked clean, and GC then
+ * freed its bucket: the range now holds a newer key, or clean data the
+ * backing store has.  The backing store is NOT a fallback there: it may
+ * be older than the data we were reading (nothing wrote it back), so it
+ * would serve a write from before that dirty data, which a flush may
+ * already have made durable (time travel).  So the range is looked up
+ * again and read as any read would read it now. */
 static int
 read_hit (struct bcf_req *r, const struct bcf_backing *b,
-          const struct bcf_extent *e, void *buf)
+          const struct bcf_extent *e, void *buf, unsigned again)
 {
   /* The read-hit path: time the hits of a sampled read (read_timed),
    * and any while nothing is measured, so that hits neither read the
@@ -1472,14 +1491,26 @@ read_hit (struct bcf_req *r, const struct bcf_backing *b,
     device_error (r);
     bcf_drop_hit (r->c, e);
   }
+  else if (e->dirty) {
+    if (again >= DIRTY_RACE_RETRIES) {
+      bcf_cache_log (r->c, BCF_LOG_ERROR, "a read of dirty data at %" PRIu64
+                     " found its bucket reused under it %u times: failing "
+                     "it rather than serving the export's older data",
+                     e->offset, again + 1);
+      return -EIO;
+    }
+    return read_span_again (r, b, (struct span) { e->offset,
+                                                  e->offset + e->len },
+                            buf, again + 1);
+  }
   return backing_pread (b, buf, e->len, e->offset);
 }
 
 /* Read the whole blocks [s.start, s.end) into buf.  *all_hit tells
- * whether the cache served all of it. */
+ * whether the cache served all of it.  again: see read_hit. */
 static int
-read_span (struct bcf_req *r, const struct bcf_backing *b, struct span s,
-           uint8_t *buf, bool bypass, bool *all_hit)
+read_span_n (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+             uint8_t *buf, bool bypass, bool *all_hit, unsigned again)
 {
   uint64_t pos = s.start;
 
@@ -1499,7 +1530,7 @@ read_span (struct bcf_req *r, const struct bcf_backing *b, struct span s,
     for (unsigned i = 0; i < n; i++) {
       uint8_t *p = buf + (ext[i].offset - s.start);
       if (ext[i].kind == BCF_EXTENT_HIT)
-        rc = read_hit (r, b, &ext[i], p);
+        rc = read_hit (r, b, &ext[i], p, again);
       else {
         *all_hit = false;
         rc = read_miss (r, b, &ext[i], p, bypass);
@@ -1510,6 +1541,25 @@ read_span (struct bcf_req *r, const struct bcf_backing *b, struct span s,
     }
   }
   return 0;
+}
+
+static int
+read_span (struct bcf_req *r, const struct bcf_backing *b, struct span s,
+           uint8_t *buf, bool bypass, bool *all_hit)
+{
+  return read_span_n (r, b, s, buf, bypass, all_hit, 0);
+}
+
+/* A range looked up again after a dirty hit raced (read_hit): read as a
+ * bypassing read, so a miss there (the data left the cache after it was
+ * written back) is read from the backing store and not cached. */
+static int
+read_span_again (struct bcf_req *r, const struct bcf_backing *b,
+                 struct span s, uint8_t *buf, unsigned again)
+{
+  bool hit;
+
+  return read_span_n (r, b, s, buf, true, &hit, again);
 }
 
 static void

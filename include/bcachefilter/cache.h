@@ -292,8 +292,10 @@ int bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
 /* Read a hit from the cache device into buf.  Afterwards the pointer's
  * gen is checked again: if the bucket was reused meanwhile the data may
  * be wrong, and -ESTALE is returned (counted as a read race); the caller
- * reads the backing store instead.  Other errors are device errors
- * (counted; the caller serves from the backing store). */
+ * reads the backing store instead for a clean hit, and looks the range
+ * up again for a dirty one (the backing store may be older than it).
+ * Other errors are device errors (counted; the caller serves a clean
+ * hit from the backing store). */
 int bcf_read_hit (struct bcf_cache *c, const struct bcf_extent *e, void *buf);
 
 /* ---- The cache-miss protocol ------------------------------------------- */

@@ -708,6 +708,108 @@ START_TEST (cutoff_follows_dirty_buckets)
 }
 END_TEST
 
+/* A read of dirty data whose bucket is reused while the read is in
+ * flight (bcache's cache_read_races) must not fall back to the backing
+ * store, as a clean hit does: the backing store never had that data,
+ * and serves what was there before it, a write the client may have
+ * flushed since (time travel).  Forced with the engine's read hook,
+ * between the device read of block 0's dirty data A and the check of
+ * its pointer: block 0 is written again (B), every other block of A's
+ * bucket too, so that nothing is left in it, and clean inserts of other
+ * blocks (FIFO replacement) run until A's device offset holds someone
+ * else's data, as test-engine's read_race_stale does.  The read must
+ * return B (the range as it is now); A would do too, the export's zeros
+ * never.  Negative control: with the race falling back to the backing
+ * store, the read returns zeros ("reads 0x00"). */
+struct dirty_race {
+  struct fx *f;
+  uint8_t b[BLOCK];
+  uint64_t dev_offset;
+  unsigned calls, inserts;
+};
+
+static void
+dirty_race_hook (struct bcf_cache *c, const struct bcf_extent *e,
+                 void *opaque)
+{
+  struct dirty_race *d = opaque;
+  static uint8_t other[BLOCK];
+
+  c->test_read_hook = NULL;
+  d->calls++;
+  d->dev_offset = e->dev_offset;
+  ck_assert (e->dirty);
+  /* Block 0 and the rest of its bucket written again, elsewhere. */
+  for (uint64_t blk = 0; blk < 64; blk++) {
+    memset (other, (int) (0x40 + blk), sizeof other);
+    ck_assert_int_eq (bcf_req_write (d->f->r, &d->f->b, blk ? other : d->b,
+                                     BLOCK, blk * BLOCK, false), 0);
+  }
+  /* Clean data until A's offset is reused. */
+  for (uint64_t i = 0; i < 200000; i++) {
+    uint64_t blk = 1024 + i % 8192;
+    struct bcf_extent x;
+    unsigned n;
+
+    memset (other, (int) (i & 0xff), sizeof other);
+    ck_assert_int_eq (bcf_insert (c, blk * BLOCK, BLOCK, other, false, false),
+                      0);
+    ck_assert_int_eq (bcf_lookup (c, blk * BLOCK, BLOCK, &x, 1, &n), 0);
+    d->inserts++;
+    if (x.kind == BCF_EXTENT_HIT && x.dev_offset == d->dev_offset)
+      return;
+  }
+  ck_abort_msg ("device offset %" PRIu64 " was never reused", d->dev_offset);
+}
+
+START_TEST (dirty_read_race_not_from_backing)
+{
+  struct fx f;
+  static struct dirty_race d;
+  static uint8_t a[BLOCK], filler[BLOCK];
+
+  fx_init (&f, "dirtyrace.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  fx_close (&f);                        /* again, with FIFO replacement */
+  unlink (f.path);
+  f.opts.create_size = 16 * MiB;
+  f.opts.bucket_sectors = 64;          /* 32 KiB: 512 buckets */
+  f.opts.replacement = BCH_REPLACEMENT_FIFO;
+  fx_open (&f);
+  /* GC, as nbdkit runs it: only a GC marks A's bucket free again. */
+  ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  memset (a, 0xa1, sizeof a);
+  memset (d.b, 0xb2, sizeof d.b);
+  memset (filler, 0x33, sizeof filler);
+  d.f = &f;
+  /* A in block 0, dirty, and the rest of its bucket dirty too. */
+  ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, BLOCK, 0, false), 0);
+  for (uint64_t blk = 1; blk < 64; blk++)
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, filler, BLOCK, blk * BLOCK,
+                                     false), 0);
+  f.c->test_read_hook = dirty_race_hook;
+  f.c->test_read_hook_opaque = &d;
+  {
+    uint8_t got[BLOCK];
+    struct bcf_cache_stats cs;
+
+    ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, BLOCK, 0), 0);
+    f.c->test_read_hook = NULL;
+    ck_assert_uint_eq (d.calls, 1);
+    bcf_cache_stats (f.c, &cs);
+    ck_assert_uint_ge (cs.read_races, 1);       /* the race happened */
+    ck_assert_msg (memcmp (got, d.b, BLOCK) == 0 || memcmp (got, a, BLOCK) == 0,
+                   "a dirty read that raced with its bucket's reuse "
+                   "reads 0x%02x, expected 0x%02x (or 0x%02x); %u inserts",
+                   got[0], d.b[0], a[0], d.inserts);
+  }
+  check_read (&f, 0, d.b, BLOCK, "block 0 after the race");
+  ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
+  check_backing (&f, 0, d.b, BLOCK, "block 0 written back");
+  fx_free (&f);
+}
+END_TEST
+
 /* The cutoffs lift once the dirty data is written back, with no write
  * to start a GC.  The buckets in use are GC's marks: a bucket that held
  * dirty data stays marked dirty until a GC looks at it again, and GC
@@ -1006,6 +1108,7 @@ writeback_suite (void)
   ADD (cutoff_sync_writes_all);
   ADD (cutoff_follows_dirty_buckets);
   ADD (cutoff_lifts_once_written_back);
+  ADD (dirty_read_race_not_from_backing);
   ADD (failing_device_keeps_dirty_data);
   ADD (dirty_data_never_fills_the_cache);
   ADD (write_over_dirty_device_refuses_writes);
