@@ -35,7 +35,8 @@
 # tools/bcachefilter-ctl), SIZE (1G), CACHE (2G), FLOOD_SECONDS (30),
 # SETTLE_SECONDS (12), BURST_SECONDS (10), BCACHE_ARGS (more filter
 # parameters, e.g. bcache-direct=false), WORKDIR (default a new directory
-# under /var/tmp: a disk with O_DIRECT, not tmpfs), OUTDIR (fio's JSON,
+# under /var/tmp: a disk with O_DIRECT, not tmpfs; removed at exit if
+# this script made it, KEEP=1 keeps it), OUTDIR (fio's JSON,
 # the statistics and the servers' logs, kept).  About 100 s per filter.
 set -euo pipefail
 # shellcheck disable=SC2034  # used by bench-lib.sh
@@ -59,18 +60,10 @@ done
 fio --enghelp=nbd >/dev/null 2>&1 || die "fio has no nbd engine"
 BYTES=$(numfmt --from=iec "${SIZE%B}")
 CACHE_BYTES=$(numfmt --from=iec "${CACHE%B}")
-WORKDIR=${WORKDIR:-$(mktemp -d /var/tmp/after-flood.XXXXXX)}
-OUTDIR=${OUTDIR:-/var/tmp/after-flood-results.$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$WORKDIR" "$OUTDIR"
+# shellcheck disable=SC2034  # bench-lib.sh stops them
 PIDS=()
-cleanup() {
-    local rc=$? i
-    trap - EXIT
-    for (( i = ${#PIDS[@]} - 1; i >= 0; i-- )); do stop_pid "${PIDS[i]}" 10; done
-    rm -rf "$WORKDIR"
-    exit "$rc"
-}
-trap cleanup EXIT
+bench_dirs after-flood
+bench_cleanup_on_exit "$WORKDIR/cache.img"
 RSOCK=$WORKDIR/remote.sock FSOCK=$WORKDIR/front.sock CTL=$WORKDIR/ctl.sock
 
 # writes NAME SECONDS: 4 KiB random writes at QD16; prints the IOPS.

@@ -572,6 +572,23 @@ END_TEST
  * still written back.  Negative control for the second: with
  * should_write_back ignoring r->all_sync, the 64 KiB write at 40 MiB
  * reaches the backing store (ms.writes == 1). */
+/* f's request again, with a writeback thread that is paused, whose rate
+ * stays at its minimum and which measures the cache every second, and no
+ * sequential bypass: the cutoffs alone decide where writes go. */
+static void
+fx_paused_writeback (struct fx *f, enum bcf_sync_writes sync_writes)
+{
+  bcf_req_free (f->r);
+  f->ro.background = &f->b;
+  f->ro.sync_writes = sync_writes;
+  f->ro.writeback_percent = 100;
+  f->ro.sequential_cutoff = 0;
+  f->r = bcf_req_new (f->c, &f->ro);
+  ck_assert_ptr_nonnull (f->r);
+  ck_assert_int_eq (bcf_req_set_writeback_update_seconds (f->r, 1), 0);
+  ck_assert_int_eq (bcf_req_set_writeback_running (f->r, false), 0);
+}
+
 static void
 cutoff_case (enum bcf_sync_writes sync_writes)
 {
@@ -582,17 +599,9 @@ cutoff_case (enum bcf_sync_writes sync_writes)
   uint64_t off = 0, cut;
 
   fx_init (&f, "cutoff.img", 128 * MiB, BCF_MODE_WRITEBACK);
-  bcf_req_free (f.r);
-  f.ro.background = &f.b;
-  f.ro.sync_writes = sync_writes;
-  f.ro.writeback_percent = 100;         /* the rate stays at its minimum */
-  f.ro.sequential_cutoff = 0;           /* no stream is bypassed */
-  f.r = bcf_req_new (f.c, &f.ro);
-  ck_assert_ptr_nonnull (f.r);
-  ck_assert_int_eq (bcf_req_set_writeback_update_seconds (f.r, 1), 0);
   /* Paused: only the writes below reach the backing store (the rounds
    * still measure the cache). */
-  ck_assert_int_eq (bcf_req_set_writeback_running (f.r, false), 0);
+  fx_paused_writeback (&f, sync_writes);
   memset (buf, 0x3c, sizeof buf);
   /* About 45 % of the 64 MiB cache dirty, with FUA writes (written back
    * up to the sync cutoff under either rule: the cutoff counts the
@@ -837,15 +846,7 @@ START_TEST (cutoff_lifts_once_written_back)
 
   fx_init (&f, "lifts.img", 128 * MiB, BCF_MODE_WRITEBACK);
   ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);  /* GC: as nbdkit */
-  bcf_req_free (f.r);
-  f.ro.background = &f.b;
-  f.ro.sync_writes = BCF_SYNC_WRITES_FUA;       /* others cut off at 40 % */
-  f.ro.writeback_percent = 100;         /* the rate stays at its minimum */
-  f.ro.sequential_cutoff = 0;           /* no stream is bypassed */
-  f.r = bcf_req_new (f.c, &f.ro);
-  ck_assert_ptr_nonnull (f.r);
-  ck_assert_int_eq (bcf_req_set_writeback_update_seconds (f.r, 1), 0);
-  ck_assert_int_eq (bcf_req_set_writeback_running (f.r, false), 0);
+  fx_paused_writeback (&f, BCF_SYNC_WRITES_FUA);  /* others cut off at 40 % */
   memset (buf, 0x6b, sizeof buf);
   for (uint64_t off = 0; off < 29 * MiB; off += sizeof buf)
     ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, true),
