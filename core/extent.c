@@ -19,10 +19,11 @@
  * bucket was invalidated meanwhile the data may belong to a new owner, so
  * the read is reported stale and the caller goes to the backing store
  * (bcache's cache_read_races), or for dirty data, which the backing store
- * may not have, looks the range up again (request.c, read_hit).  The gen is stored with release order when
- * a bucket is invalidated, and the allocator never hands a bucket out
- * before its new gen is persisted, which takes far longer than any read;
- * the recheck closes the remaining window.
+ * may not have, looks the range up again (request.c, read_hit).  The gen
+ * is stored with release order when a bucket is invalidated, and the
+ * allocator never hands a bucket out before its new gen is persisted,
+ * which takes far longer than any read; the recheck closes the remaining
+ * window.
  *
  * Locking: see engine.h.
  */

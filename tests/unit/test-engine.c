@@ -1446,28 +1446,8 @@ struct reuse {
 static void
 reuse_offset (struct reuse *ru)
 {
-  struct fixture *f = ru->f;
-  uint8_t *buf = malloc (BLOCK);
-
-  ck_assert_ptr_nonnull (buf);
-  for (unsigned i = 0; i < 100000; i++) {
-    uint64_t blk = ru->first_blk + ru->next_blk++ % ru->nblk;
-    struct bcf_extent e;
-    unsigned n;
-
-    fill (buf, BLOCK);
-    ck_assert_int_eq (bcf_insert (f->c, blk * BLOCK, BLOCK, buf, false, false),
-                      0);
-    ck_assert_int_eq (bcf_lookup (f->c, blk * BLOCK, BLOCK, &e, 1, &n), 0);
-    ck_assert_int_eq (e.kind, BCF_EXTENT_HIT);
-    if (e.dev_offset == ru->dev_offset) {
-      memcpy (ru->newdata, buf, BLOCK);
-      free (buf);
-      return;
-    }
-  }
-  ck_abort_msg ("seed %u: device offset %" PRIu64 " was never reused", seed,
-                ru->dev_offset);
+  test_reuse_dev_offset (ru->f->c, ru->dev_offset, ru->first_blk, ru->nblk,
+                         &ru->next_blk, BLOCK, ru->newdata, 100000);
 }
 
 static void

@@ -742,10 +742,9 @@ detach_thread_fn (void *arg)
  * (gate 3), before it marks K0 clean: W sees A dirty, and reads the
  * uncached block's old bytes from the backing store to write whole
  * blocks, where it is held (gate 2).  Then the run goes on and marks K0
- * clean: nothing is dirty.  A
- * drain that stops there returns while W, released, then caches its
- * blocks as dirty keys: a detached cache with dirty data (what
- * test-filter-detach caught once in CI).  Fixed, the drain waits for W
+ * clean: nothing is dirty.  A drain that stops there returns while W,
+ * released, then caches its blocks as dirty keys: a detached cache with
+ * dirty data (what test-filter-detach caught once in CI).  Fixed, the drain waits for W
  * and writes its keys back too. */
 START_TEST (detach_waits_for_writes_that_saw_dirty)
 {

@@ -9,6 +9,8 @@
  * - test_tmpdir: a fresh directory for cache files, on tmpfs where there
  *   is one (the tests flush often, and fdatasync on a disk file system
  *   would dominate their run time); TEST_TMPDIR overrides.
+ * - test_reuse_dev_offset: drive a bucket's reuse through the API, for
+ *   the tests of bcache's cache_read_races.
  */
 #ifndef BCACHEFILTER_TESTLIB_H
 #define BCACHEFILTER_TESTLIB_H
@@ -36,5 +38,17 @@ unsigned test_seed (const char *name);
 /* Make a fresh directory PREFIX-XXXXXX and store its path in buf; exits
  * with 99 (a hard error for automake) if it cannot. */
 void test_tmpdir (char *buf, size_t len, const char *prefix);
+
+struct bcf_cache;
+/* Insert clean blocks of random bytes (rnd), block bytes each, at blocks
+ * first, first + 1, ... (wrapping after nblk; *next counts the inserts
+ * across calls) until one is cached at the device offset dev_offset: the
+ * bucket that held it was invalidated, its new gen persisted and the
+ * bucket written again.  landed (block bytes) gets what landed there.
+ * Fails the test after limit inserts.  Needs a cache whose GC runs
+ * (fifo replacement makes it quick). */
+void test_reuse_dev_offset (struct bcf_cache *c, uint64_t dev_offset,
+                            uint64_t first, uint64_t nblk, uint64_t *next,
+                            size_t block, uint8_t *landed, uint64_t limit);
 
 #endif /* BCACHEFILTER_TESTLIB_H */
