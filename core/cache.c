@@ -521,6 +521,10 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->gc_slices = atomic_load (&c->stats.gc_slices);
   st->gc_nodes = atomic_load (&c->stats.gc_nodes);
   st->gc_coalesced = atomic_load (&c->stats.gc_coalesced);
+  st->moving_gc_runs = atomic_load (&c->stats.moving_gc_runs);
+  st->moving_gc_keys = atomic_load (&c->stats.moving_gc_keys);
+  st->moving_gc_bytes = atomic_load (&c->stats.moving_gc_bytes);
+  st->moving_gc_collisions = atomic_load (&c->stats.moving_gc_collisions);
   st->gc_slice_nodes_last = atomic_load (&c->stats.gc_slice_nodes_last);
   st->gc_slice_nodes_max = atomic_load (&c->stats.gc_slice_nodes_max);
   st->gc_slices_busy = atomic_load (&c->stats.gc_slices_busy);

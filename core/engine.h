@@ -515,6 +515,14 @@ int gc_init (struct bcf_cache *c);
 void gc_request (struct bcf_cache *c);
 void gc_free (struct bcf_cache *c);
 
+/* ---- Moving GC (movinggc.c; the copy is extent.c's) ----------------------------- */
+
+/* Move n dirty extents to new cache space, each only if its range still
+ * holds it exactly; buf holds their data (the sum of the lengths); res[i]
+ * gets 0, -EEXIST (the range changed), or -errno. */
+void extent_move_dirty (struct bcf_cache *c, const struct bcf_extent *e,
+                        unsigned n, uint8_t *buf, int *res);
+
 /* ---- Write-intent regions (intent.c) ------------------------------------------- */
 
 #define INTENT_INODE 0xffffeull           /* beyond every uuid slot */
@@ -633,6 +641,11 @@ struct bcf_cache {
   void (*test_read_hook) (struct bcf_cache *c, const struct bcf_extent *e,
                           void *opaque);
   void *test_read_hook_opaque;
+  /* Test hook (NULL in production): called by extent_move_dirty once
+   * the batch is read and written to its new place, before the inserts,
+   * with no lock held, so a test can change a range under a move. */
+  void (*test_move_hook) (struct bcf_cache *c, void *opaque);
+  void *test_move_hook_opaque;
   /* Test hook (NULL in production): called by alloc_prio_write after it
    * published a new prio chain and before the metadata commit, the
    * window in which any ordinary journal entry already names the new
@@ -661,6 +674,8 @@ struct bcf_cache {
     atomic_uint_fast64_t export_flushes_skipped;
     atomic_uint_fast64_t intent_marks, intent_clears, intent_dropped;
     atomic_uint_fast64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
+    atomic_uint_fast64_t moving_gc_runs, moving_gc_keys, moving_gc_bytes;
+    atomic_uint_fast64_t moving_gc_collisions;
     struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                          checkpoint;
     /* Each hold of tree_lock for writing by a checkpoint (the snapshot,

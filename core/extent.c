@@ -1378,6 +1378,79 @@ bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e)
   return n < 0 ? n : n << BCH_SECTOR_SHIFT;
 }
 
+/* Moving GC's copy (movinggc.c has the design and the argument): read
+ * the n dirty extents e[] (one submission), write each to new cache space
+ * (one submission), and replace-insert each as the same dirty data at its
+ * new place, journalled, only if its range still holds exactly e[i] (the
+ * CAS of insert_key's expect: a write, an invalidation or a clean mark
+ * that came first wins).  buf holds the sum of the lengths, aligned.
+ * res[i]: 0 moved; -EEXIST the range changed; -ESTALE the bucket was
+ * reused under the read (cannot happen while e[i] is in the tree, but a
+ * stale read is never written anywhere); -ENOSPC no room; -errno. */
+void
+extent_move_dirty (struct bcf_cache *c, const struct bcf_extent *e,
+                   unsigned n, uint8_t *buf, int *res)
+{
+  struct bcf_io_seg *segs = calloc (n, sizeof *segs);
+  uint64_t *ptr = calloc (n, sizeof *ptr);
+  uint64_t off = 0;
+  unsigned nw = 0;
+
+  if (!segs || !ptr) {
+    for (unsigned i = 0; i < n; i++)
+      res[i] = -ENOMEM;
+    goto out;
+  }
+  for (unsigned i = 0; i < n; i++) {
+    segs[i] = (struct bcf_io_seg) { .op = BCF_IO_READ, .buf = buf + off,
+                                    .len = e[i].len, .off = e[i].dev_offset };
+    off += e[i].len;
+  }
+  bcf_io_submit (c->io, segs, n);
+  for (unsigned i = 0; i < n; i++) {
+    res[i] = segs[i].result;
+    if (res[i] == 0 && ptr_stale (c, e[i].ptr))
+      res[i] = -ESTALE;
+  }
+  /* Allocate for every extent read; after the first failure, none. */
+  for (unsigned i = 0, r = 0; i < n; i++) {
+    if (res[i] < 0)
+      continue;
+    if (r == 0 && c->failed)
+      r = -ENOSPC;
+    if (r == 0)
+      r = alloc_sectors (c, (uint32_t) (e[i].len >> BCH_SECTOR_SHIFT), true,
+                         &ptr[i]);
+    if ((res[i] = r) < 0)
+      continue;
+    segs[nw++] = (struct bcf_io_seg) {
+      .op = BCF_IO_WRITE, .buf = segs[i].buf, .len = e[i].len,
+      .off = PTR_OFFSET (ptr[i]) << BCH_SECTOR_SHIFT,
+    };
+  }
+  bcf_io_submit (c->io, segs, nw);
+  if (c->test_move_hook)
+    c->test_move_hook (c, c->test_move_hook_opaque);
+  for (unsigned i = 0, w = 0; i < n; i++) {
+    struct ckey k, expect;
+    struct durability d = { 0 };
+
+    if (res[i] < 0)
+      continue;
+    res[i] = segs[w++].result;
+    if (res[i] == 0) {
+      expect = dirty_key_of (c, &e[i]);
+      k = ckey_make (c->inode, ckey_end (&expect), ckey_size (&expect), true,
+                     ptr[i], true);
+      res[i] = insert_key (c, &k, JOURNAL_ALWAYS, &expect, &d);
+    }
+    alloc_put (c, ptr[i]);
+  }
+out:
+  free (segs);
+  free (ptr);
+}
+
 /* The open entry: every key added so far is in it or in an older one,
  * and entries become durable in seq order (journal.c). */
 uint64_t

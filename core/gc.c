@@ -38,7 +38,8 @@
  *
  * Coalescing: before marking a leaf, GC merges it with its right sibling
  * when both fit in 2/3 of a node (btree_coalesce_locked; bcache merges up
- * to four).  Not done: moving GC (bcache leaves it off by default).
+ * to four).  Moving GC, which bcache leaves off by default, is
+ * movinggc.c's: the writeback thread runs it between its batches.
  *
  * Locking: gc.lock protects the request flag and the shadow arrays; a
  * slice holds tree_lock for writing; marks are applied under alloc.lock.
@@ -436,6 +437,12 @@ int
 bcf_gc_run (struct bcf_cache *c)
 {
   return gc_pass (c, false);
+}
+
+uint64_t
+bcf_gc_passes (struct bcf_cache *c)
+{
+  return atomic_load (&c->stats.gc_passes);
 }
 
 void

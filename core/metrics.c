@@ -240,6 +240,16 @@ struct getter {
      "Btree nodes walked by garbage collection.")                           \
   X (gc_coalesced, COUNTER, NONE, ENGINE, 0, U64 (cache.gc_coalesced),      \
      N_CACHE, "Btree nodes merged by garbage collection.")                  \
+  X (moving_gc_runs, COUNTER, NONE, ENGINE, 0, U64 (cache.moving_gc_runs), \
+     N_CACHE, "Moving GC runs (dirty data compacted into fewer buckets).") \
+  X (moving_gc_keys, COUNTER, NONE, ENGINE, 0, U64 (cache.moving_gc_keys), \
+     N_CACHE, "Dirty extents moving GC copied to fresh buckets.")           \
+  X (moving_gc_bytes, COUNTER, BYTES, ENGINE, 0,                            \
+     U64 (cache.moving_gc_bytes), N_CACHE, "Their bytes.")                  \
+  X (moving_gc_collisions, COUNTER, NONE, ENGINE, 0,                        \
+     U64 (cache.moving_gc_collisions), N_CACHE,                             \
+     "Extents changed by a write, trim or clean mark while moving GC "      \
+     "copied them (left as the change made them).")                         \
   X (gc_slice_nodes_last, GAUGE, NONE, ENGINE, 0,                           \
      U64 (cache.gc_slice_nodes_last), N_CACHE,                              \
      "Nodes walked by the last garbage collection slice.")                  \
@@ -368,6 +378,9 @@ struct getter {
   X (writeback_running, GAUGE, NONE, ENGINE, 0,                             \
      BOOL01 (req.writeback_running), N_REQ,                                 \
      "1 while the writeback runs, 0 while it is paused.")                   \
+  X (copy_gc_enabled, GAUGE, NONE, ENGINE, 0,                               \
+     BOOL01 (req.copy_gc_enabled), N_REQ,                                   \
+     "1 while moving GC compacts dirty data between writeback batches.")   \
   X (writeback_flushing, GAUGE, NONE, ENGINE, 0,                            \
      BOOL01 (req.writeback_flushing), N_REQ,                                \
      "1 while everything dirty is written back at full speed.")             \

@@ -703,6 +703,10 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
     if (o->writeback_delay)
       t.delay_s = o->writeback_delay == BCF_WRITEBACK_DELAY_ZERO ? 0
                   : o->writeback_delay;
+    if (o->copy_gc_off)
+      t.copy_gc = false;
+    t.copy_gc_above = (r->all_sync ? BCF_WB_CUTOFF_SYNC : BCF_WB_CUTOFF)
+                      - BCF_WB_MOVE_MARGIN;
     if (bcf_writeback_set_tunables (r->wb, &t) < 0 ||
         bcf_writeback_start (r->wb) < 0) {
       bcf_req_free (r);
@@ -768,7 +772,7 @@ bcf_req_set_mode (struct bcf_req *r, enum bcf_cache_mode m)
 }
 
 /* Change one writeback knob and apply it. */
-enum knob { K_PERCENT, K_DELAY, K_RUNNING, K_UPDATE };
+enum knob { K_PERCENT, K_DELAY, K_RUNNING, K_UPDATE, K_COPY_GC };
 
 static int
 set_tunable (struct bcf_req *r, enum knob k, unsigned v)
@@ -783,6 +787,7 @@ set_tunable (struct bcf_req *r, enum knob k, unsigned v)
   case K_DELAY: t.delay_s = v; break;
   case K_RUNNING: t.running = v != 0; break;
   case K_UPDATE: t.update_seconds = v; break;
+  case K_COPY_GC: t.copy_gc = v != 0; break;
   }
   /* bcf_writeback_set_tunables checks the ranges. */
   return bcf_writeback_set_tunables (r->wb, &t);
@@ -810,6 +815,12 @@ int
 bcf_req_set_writeback_update_seconds (struct bcf_req *r, unsigned s)
 {
   return set_tunable (r, K_UPDATE, s);
+}
+
+int
+bcf_req_set_copy_gc (struct bcf_req *r, bool enabled)
+{
+  return set_tunable (r, K_COPY_GC, enabled);
 }
 
 int
@@ -1143,6 +1154,7 @@ bcf_req_get_stats (struct bcf_req *r, struct bcf_req_stats *st)
     st->writeback_delay = t.delay_s;
     st->writeback_update_seconds = t.update_seconds;
     st->writeback_running = t.running;
+    st->copy_gc_enabled = t.copy_gc;
     st->writeback_flushing = w.flushing;
     st->cache_in_use = w.in_use;
     st->wb_rate = w.rate.rate;

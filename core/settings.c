@@ -23,6 +23,7 @@ static const struct bcf_setting settings[] = {
   { "writeback_delay", BCF_SETTING_NUMBER },
   { "writeback_running", BCF_SETTING_NUMBER },
   { "writeback_rate_update_seconds", BCF_SETTING_NUMBER },
+  { "copy_gc_enabled", BCF_SETTING_NUMBER },
 };
 #define NSETTINGS (sizeof settings / sizeof settings[0])
 

@@ -177,6 +177,9 @@ struct bcf_writeback {
   uint64_t passes, idle_passes;
   uint64_t cleaned_since_gc;            /* bytes marked clean since the
                                            last GC this thread asked for */
+  uint64_t counted_at_gc;               /* bcf_gc_passes at the last count
+                                           of the buckets in use */
+  uint64_t moved_at_gc;                 /* ... at the last moving GC */
   struct bcf_writeback_stats st;
   struct writers w;
 };
@@ -544,22 +547,52 @@ sleep_locked (struct bcf_writeback *wb, uint64_t ns)
   return !wb->stop;
 }
 
-/* Measure and update the controller (every update_seconds).  Under lock
- * (bcf_cache_stats takes only the engine's own locks). */
+/* Count the buckets in use (dirty or metadata) for the cutoffs
+ * (bcf_writeback_in_use): into cs, which the caller may use too.  Under
+ * lock (bcf_cache_stats takes only the engine's own locks). */
+static void
+count_in_use_locked (struct bcf_writeback *wb, struct bcf_cache_stats *cs)
+{
+  uint64_t passes = bcf_gc_passes (wb->c);
+  uint64_t marks = bcf_cache_in_use_marks (wb->c);      /* before the count */
+
+  bcf_cache_stats (wb->c, cs);
+  atomic_store (&wb->nbuckets, cs->nbuckets);
+  atomic_store (&wb->used_seen, cs->buckets_dirty + cs->buckets_meta);
+  atomic_store (&wb->marks_seen, marks);        /* after used_seen: below */
+  wb->counted_at_gc = passes;
+  wb->st.in_use = cs->nbuckets ? (unsigned) ((cs->buckets_dirty +
+                                              cs->buckets_meta) * 100
+                                             / cs->nbuckets) : 0;
+}
+
+/* Count again as soon as a GC pass has ended, not at the controller's
+ * next round (up to update_seconds later): a pass is what lowers the
+ * count (the marks only grow between passes), and the cutoffs it lifts
+ * make every write in the meantime a write through.  Under lock. */
+static void
+recount_after_gc_locked (struct bcf_writeback *wb)
+{
+  struct bcf_cache_stats cs;
+
+  if (bcf_gc_passes (wb->c) != wb->counted_at_gc)
+    count_in_use_locked (wb, &cs);
+}
+
+/* Measure and update the controller (every update_seconds).  Under
+ * lock. */
 static void
 update_rate_locked (struct bcf_writeback *wb, uint64_t now)
 {
   struct bcf_cache_stats cs;
   uint64_t front = bcf_cache_requests (wb->c);
-  uint64_t marks = bcf_cache_in_use_marks (wb->c);      /* before the count */
   struct bcf_wb_pi_input in;
 
-  bcf_cache_stats (wb->c, &cs);
+  count_in_use_locked (wb, &cs);
   in = (struct bcf_wb_pi_input) {
     .dirty = (int64_t) (bcf_cache_dirty_bytes (wb->c) >> 9),
     .target = (int64_t) (wb->capacity_sectors * wb->t.percent / 100),
-    .in_use = cs.nbuckets ? (unsigned) ((cs.buckets_dirty + cs.buckets_meta)
-                                        * 100 / cs.nbuckets) : 0,
+    .in_use = wb->st.in_use,
     .dirty_buckets = (int64_t) cs.buckets_dirty,
     .bucket_sectors = (int64_t) (cs.bucket_bytes >> 9),
     .update_seconds = wb->t.update_seconds,
@@ -567,10 +600,6 @@ update_rate_locked (struct bcf_writeback *wb, uint64_t now)
     .now_ns = now,
   };
   wb->front_seen = front;
-  atomic_store (&wb->nbuckets, cs.nbuckets);
-  atomic_store (&wb->used_seen, cs.buckets_dirty + cs.buckets_meta);
-  atomic_store (&wb->marks_seen, marks);        /* after used_seen: below */
-  wb->st.in_use = in.in_use;
   bcf_wb_pi_update (&wb->pi, &in);
 }
 
@@ -612,6 +641,43 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
   bcf_trigger_gc (wb->c);
 }
 
+/* Moving GC (movinggc.c) between two batches, when no run is registered
+ * (movinggc.c's point 5), in writeback mode with copy_gc_enabled, while
+ * the buckets counted in use are within BCF_WB_MOVE_MARGIN of the
+ * cutoff the writes meet first (copy_gc_above: cutoff_writeback_sync
+ * when every write counts as bcache's REQ_SYNC, else cutoff_writeback)
+ * and the dirty data fills less than 3/4 of the buckets marked dirty:
+ * then copying the emptiest buckets' dirty data brings the count down
+ * towards the dirty bytes.  Not from cutoff_writeback on whatever the
+ * writes meet: the fuller the cache may get, the emptier the emptiest
+ * buckets are, and the less is copied per bucket freed (under
+ * filter-bench's rmw, starting at 40 % copied 1.85 GB for 2.19 GB of
+ * client writes in 20 s).  At most a sixteenth of the cache per run,
+ * and one run per GC pass: the pass it asks for counts what the run
+ * emptied, and the next run chooses from those counts.  Under lock
+ * (dropped for the run, which does I/O). */
+static void
+move_between_batches_locked (struct bcf_writeback *wb)
+{
+  struct bcf_cache_stats cs;
+  struct bcf_move_stats ms;
+  uint64_t passes = bcf_gc_passes (wb->c), dirty_buckets_sectors;
+
+  if (!wb->t.writeback || !wb->t.copy_gc || passes == wb->moved_at_gc ||
+      bcf_writeback_in_use (wb) <= wb->t.copy_gc_above)
+    return;
+  bcf_cache_stats (wb->c, &cs);
+  dirty_buckets_sectors = cs.buckets_dirty * (cs.bucket_bytes >> 9);
+  if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 4 > dirty_buckets_sectors * 3)
+    return;
+  wb->moved_at_gc = passes;
+  pthread_mutex_unlock (&wb->lock);
+  bcf_move_dirty (wb->c, (wb->capacity_sectors << 9) / 16, &ms);
+  if (ms.keys)
+    bcf_trigger_gc (wb->c);
+  pthread_mutex_lock (&wb->lock);
+}
+
 static void *
 writeback_thread (void *arg)
 {
@@ -633,6 +699,9 @@ writeback_thread (void *arg)
       update_rate_locked (wb, now);
       next_update = now + round;
     }
+    else
+      recount_after_gc_locked (wb);
+    move_between_batches_locked (wb);
     if ((!wb->t.running && !fast) || bcf_cache_dirty_bytes (wb->c) == 0) {
       if (bcf_cache_dirty_bytes (wb->c) == 0) {
         pos = 0;
@@ -711,9 +780,11 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
   wb->b = *b;
   wb->t = (struct bcf_writeback_tunables) {
     .writeback = !drain, .running = true, .percent = 10, .delay_s = 30,
-    .update_seconds = BCF_WB_UPDATE_SECONDS,
+    .update_seconds = BCF_WB_UPDATE_SECONDS, .copy_gc = true,
+    .copy_gc_above = BCF_WB_CUTOFF_SYNC - BCF_WB_MOVE_MARGIN,
   };
   wb->capacity_sectors = bcf_cache_capacity_bytes (c) >> 9;
+  wb->moved_at_gc = UINT64_MAX;         /* none yet */
   bcf_wb_pi_init (&wb->pi, bcf_now_ns ());
   pthread_mutex_init (&wb->lock, NULL);
   bcf_cond_init_monotonic (&wb->wake);

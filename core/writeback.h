@@ -38,6 +38,8 @@ struct bcf_writeback;
 #define BCF_WB_FP_TERM_HIGH     1000
 #define BCF_WB_CUTOFF           40      /* bcache's cutoff_writeback */
 #define BCF_WB_CUTOFF_SYNC      70      /* ... cutoff_writeback_sync */
+#define BCF_WB_MOVE_MARGIN      10      /* moving GC starts this far below
+                                           the cutoff (writeback.c) */
 
 struct bcf_wb_pi {
   int64_t rate;                 /* sectors/s */
@@ -75,6 +77,11 @@ struct bcf_writeback_tunables {
   unsigned percent;             /* writeback_percent */
   unsigned delay_s;             /* writeback_delay: after a full pass */
   unsigned update_seconds;      /* writeback_rate_update_seconds */
+  bool copy_gc;                 /* copy_gc_enabled: moving GC between
+                                   batches (bcache's, off there) */
+  unsigned copy_gc_above;       /* ... while the buckets in use are
+                                   past this % (the cutoff the writes
+                                   meet first, less BCF_WB_MOVE_MARGIN) */
 };
 
 struct bcf_writeback_stats {

@@ -558,6 +558,7 @@ static const char help_text[] =
   "set writeback_delay S       writeback: pause after a full pass\n"
   "set writeback_running 0|1   writeback: pause or resume the writeback\n"
   "set writeback_rate_update_seconds S  the rate controller's period, 1-60\n"
+  "set copy_gc_enabled 0|1     writeback: compact dirty data (moving GC)\n"
   "trigger_gc                  start a garbage collection\n"
   "writeback_flush             write back everything now, at full speed\n"
   "detach                      write back everything, then pass through and\n"

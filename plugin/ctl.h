@@ -16,7 +16,7 @@
  *   set sequential_bypass auto|always
  *   set congested_read_threshold_us|congested_write_threshold_us N
  *   set writeback_percent|writeback_delay|writeback_running|
- *       writeback_rate_update_seconds N
+ *       writeback_rate_update_seconds|copy_gc_enabled N
  *   trigger_gc
  *   writeback_flush
  *   detach

@@ -195,7 +195,8 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
     nbdkit_debug ("bcachefilter: %s set to %lu", name, v);
     return 0;
   }
-  if (strncmp (name, "writeback_", 10) == 0) {
+  if (strncmp (name, "writeback_", 10) == 0 ||
+      strcmp (name, "copy_gc_enabled") == 0) {
     char *end;
     unsigned long v;
     int r = -EINVAL;
@@ -214,6 +215,13 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
       r = bcf_req_set_writeback_running (req, v == 1);
     else if (strcmp (name, "writeback_rate_update_seconds") == 0)
       r = bcf_req_set_writeback_update_seconds (req, (unsigned) v);
+    else if (strcmp (name, "copy_gc_enabled") == 0 && v <= 1)
+      r = bcf_req_set_copy_gc (req, v == 1);
+    else if (strcmp (name, "writeback_running") == 0 ||
+             strcmp (name, "copy_gc_enabled") == 0) {
+      snprintf (err, errlen, "%s %s: give 0 or 1", name, value);
+      return -1;
+    }
     else {
       snprintf (err, errlen, "unknown setting '%s'", name);
       return -1;
@@ -233,7 +241,7 @@ set_setting (const char *name, const char *value, char *err, size_t errlen)
             "sequential_cutoff, sequential_bypass, "
             "congested_read_threshold_us, congested_write_threshold_us, "
             "writeback_percent, writeback_delay, writeback_running, "
-            "writeback_rate_update_seconds", name);
+            "writeback_rate_update_seconds, copy_gc_enabled", name);
   return -1;
 }
 
@@ -609,6 +617,7 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   ro.error_halflife = cfg.error_halflife;
   ro.writeback_percent = cfg.writeback_percent;
   ro.writeback_delay = cfg.writeback_delay;
+  ro.copy_gc_off = !cfg.copy_gc;
   ro.sync_writes = cfg.sync_writes;
   ro.background = bk_background ();
   /* The checkpoint's export barrier flushes through the background

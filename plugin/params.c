@@ -23,6 +23,7 @@ struct filter_config cfg = {
   .direct = true,
   .bdev_auto = true,
   .write_intent = true,
+  .copy_gc = true,
   .sync_writes = BCF_SYNC_WRITES_ALL,
 };
 
@@ -271,6 +272,8 @@ filter_config (nbdkit_next_config *next, nbdkit_backend *nxdata,
   }
   else if (strcmp (key, "bcache-write-intent") == 0)
     return parse_bool_param (key, value, &cfg.write_intent);
+  else if (strcmp (key, "bcache-copy-gc") == 0)
+    return parse_bool_param (key, value, &cfg.copy_gc);
   else if (strcmp (key, "bcache-error-limit") == 0) {
     if (nbdkit_parse_unsigned (key, value, &cfg.error_limit) == -1)
       return -1;

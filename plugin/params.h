@@ -42,6 +42,7 @@ struct filter_config {
   int64_t node_cache;                   /* bcache-node-cache= */
   unsigned journal_delay_ms;            /* bcache-journal-delay= */
   bool write_intent;                    /* bcache-write-intent= */
+  bool copy_gc;                         /* bcache-copy-gc= */
   unsigned error_limit;                 /* bcache-error-limit= */
   uint64_t error_halflife;              /* bcache-error-halflife= */
   unsigned writeback_percent;           /* bcache-writeback-percent=, as
@@ -71,6 +72,7 @@ int filter_config_complete (nbdkit_next_config_complete *next,
   "bcache-writeback-delay=S    writeback: pause after a full pass (30)\n" \
   "bcache-sync-writes=all|fua  writeback: the writes that count as\n" \
   "                            bcache's REQ_SYNC in its cutoffs (all)\n" \
+  "bcache-copy-gc=BOOL         writeback: compact dirty data (true)\n" \
   "bcache-bucket-size=SIZE     bucket size when formatting (512K)\n" \
   "bcache-block-size=SIZE      block size when formatting (device block)\n" \
   "bcache-sequential-cutoff=SIZE  bypass streams this long (4M; 0 off)\n" \

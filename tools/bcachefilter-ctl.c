@@ -108,6 +108,7 @@ usage (FILE *fp)
            "  set writeback_delay S       writeback: pause after a full pass\n"
            "  set writeback_running 0|1   writeback: pause or resume\n"
            "  set writeback_rate_update_seconds S  the rate controller's period\n"
+           "  set copy_gc_enabled 0|1     writeback: compact dirty data\n"
            "  flush [--timeout S]         write back all dirty data, showing\n"
            "                              progress; returns when none is left\n"
            "  detach [--timeout S]        write back all dirty data, then pass\n"

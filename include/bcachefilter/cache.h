@@ -496,6 +496,23 @@ bool bcf_dirty_still (struct bcf_cache *c, const struct bcf_extent *e);
  * marked clean, or -errno. */
 int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
 
+/* Moving GC (bcache's movinggc.c, which mainline leaves off): dirty data
+ * scattered over many buckets keeps each of them counted as dirty, and
+ * the writeback cutoffs count buckets, not bytes.  bcf_move_dirty copies
+ * the dirty extents of the emptiest dirty buckets (at most max_bytes of
+ * them) into fresh buckets, as the same dirty data, so that the next GC
+ * pass finds the old buckets clean.  Keys, not buckets, decide what is
+ * dirty: a move never loses or reorders a write (core/movinggc.c says
+ * why).  The caller asks for the GC afterwards.  Returns 0 or -errno;
+ * st (if not NULL) gets what this call did. */
+struct bcf_move_stats {
+  uint64_t buckets;             /* buckets chosen */
+  uint64_t keys, bytes;         /* extents moved, their bytes */
+  uint64_t collisions;          /* changed under the move: left alone */
+};
+int bcf_move_dirty (struct bcf_cache *c, uint64_t max_bytes,
+                    struct bcf_move_stats *st);
+
 /* Make every insert and invalidation returned so far durable (FLUSH). */
 int bcf_flush (struct bcf_cache *c);
 /* The same in two steps, for a caller that knows which inserts a flush
@@ -523,6 +540,8 @@ uint64_t bcf_cache_requests (struct bcf_cache *c);
 void bcf_trigger_gc (struct bcf_cache *c);
 /* Run a whole GC pass in the calling thread, in incremental slices. */
 int bcf_gc_run (struct bcf_cache *c);
+/* GC passes completed so far (never decreases; cheap). */
+uint64_t bcf_gc_passes (struct bcf_cache *c);
 /* Write the pending journal entry now. */
 int bcf_cache_journal_write (struct bcf_cache *c);
 /* Write every dirty btree node and commit a new root (journal reclaim). */
@@ -576,6 +595,11 @@ struct bcf_cache_stats {
    * write), which the write that needed it waited. */
   struct bcf_time_stat intent_mark;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
+  /* Moving GC (bcf_move_dirty): runs, dirty extents moved and their
+   * bytes, and extents a write, invalidation or clean mark changed
+   * under the move (left as they were). */
+  uint64_t moving_gc_runs, moving_gc_keys, moving_gc_bytes;
+  uint64_t moving_gc_collisions;
   /* Nodes walked by the last GC slice, the most by any slice, and the
    * slices cut to the minimum because foreground requests were in flight
    * (gc.c: the slice rule). */

@@ -93,6 +93,9 @@ struct bcf_req_opts {
    * BCF_WRITEBACK_DELAY_ZERO for none). */
   unsigned writeback_percent;
   unsigned writeback_delay;
+  /* Writeback mode: no moving GC (bcache's copy_gc_enabled 0; the
+   * default here is on: core/movinggc.c says why). */
+  bool copy_gc_off;
   /* Writeback mode: which writes bcache's cutoffs treat as its REQ_SYNC
    * writes, written back up to cutoff_writeback_sync (70 % of the
    * buckets in use) where the others stop at cutoff_writeback (40 %).
@@ -152,6 +155,9 @@ int bcf_req_set_writeback_percent (struct bcf_req *r, unsigned percent);
 int bcf_req_set_writeback_delay (struct bcf_req *r, unsigned seconds);
 int bcf_req_set_writeback_running (struct bcf_req *r, bool running);
 int bcf_req_set_writeback_update_seconds (struct bcf_req *r, unsigned s);
+/* bcache's copy_gc_enabled: moving GC between the writeback's batches
+ * (core/movinggc.c).  0 or -ENOTSUP as above. */
+int bcf_req_set_copy_gc (struct bcf_req *r, bool enabled);
 /* Write every dirty extent back at full speed through the writeback
  * thread and return once none is left (bcachefilter-ctl flush): 0, the
  * backing store's -errno (the data stays dirty), or -ETIMEDOUT after
@@ -273,6 +279,7 @@ struct bcf_req_stats {
                                            the cache was too full */
   unsigned writeback_percent, writeback_delay, writeback_update_seconds;
   bool writeback_running, writeback_flushing;
+  bool copy_gc_enabled;
   unsigned cache_in_use;        /* % of buckets dirty or metadata */
   /* bcache's writeback_rate_debug: sectors/s and sectors; next_io_ns:
    * how long until the rate limiter lets the next write-back go. */

@@ -24,8 +24,8 @@
  * and the backing store agree without changing any block's value, and
  * every clean extent must equal the backing store.  The same checks,
  * per sector, follow three workloads in writeback mode through the
- * request layer, with writeback passes, checkpoints and GC among the
- * writes, trims and flushes ("writeback mode through the request layer"
+ * request layer, with writeback passes, checkpoints, GC and moving GC
+ * among the writes, trims and flushes ("writeback mode through the request layer"
  * below says what each adds).
  * TEST_CRASH_STRIDE (default 1; 4 for the writeback workloads, from an
  * index the seed picks: wb_crash_workload) tests every K-th index.
@@ -753,11 +753,11 @@ static const char *const wbname[] = {
 };
 
 enum wb_op { OP_WRITE, OP_WRITE_DIRTY, OP_TRIM, OP_ZERO, OP_READ, OP_FLUSH,
-             OP_WRITEBACK, OP_CHECKPOINT, OP_GC, OP_STREAM, OP_SWITCH,
-             OP_COUNT };
+             OP_WRITEBACK, OP_CHECKPOINT, OP_GC, OP_MOVE, OP_STREAM,
+             OP_SWITCH, OP_COUNT };
 static const char *const opname[] = {
   "write", "write over dirty data", "trim", "zero", "read", "flush",
-  "writeback", "checkpoint", "gc", "stream", "mode switch",
+  "writeback", "checkpoint", "gc", "moving gc", "stream", "mode switch",
 };
 
 struct wb {
@@ -1032,16 +1032,16 @@ wb_step (struct wb *wb)
   struct bcf_cache_stats cs;
   enum wb_op op;
 
-  /* Where most buckets are marked dirty, write back and run GC (which
-   * updates the marks) more often, as the writeback thread's rate
-   * controller and the GC thread that the allocator wakes would: a cache
-   * full of dirty data is reached now and then, not in every run (there
-   * a write first reclaims what few buckets it can, one prio write each,
-   * and then goes through: one such write makes hundreds of crash
-   * points). */
+  /* Where most buckets are marked dirty, write back, run GC (which
+   * updates the marks) and move dirty data more often, as the writeback
+   * thread's rate controller and moving GC and the GC thread that the
+   * allocator wakes would: a cache full of dirty data is reached now and
+   * then, not in every run (there a write first reclaims what few
+   * buckets it can, one prio write each, and then goes through: one such
+   * write makes hundreds of crash points). */
   bcf_cache_stats (r->c, &cs);
   if (cs.buckets_dirty * 100 > cs.nbuckets * 70 && rnd_below (3) != 0)
-    what = rnd_below (2) ? 72 : 86;
+    what = (const uint64_t[]) { 72, 85, 87 }[rnd_below (3)];
 
   if (what < 27) {
     op = OP_WRITE;
@@ -1075,9 +1075,19 @@ wb_step (struct wb *wb)
     op = OP_CHECKPOINT;
     alive = wb_ok (wb, bcf_cache_checkpoint (r->c), "checkpoint");
   }
-  else if (what < 88) {
+  else if (what < 86) {
     op = OP_GC;
     alive = wb_ok (wb, bcf_gc_run (r->c), "GC");
+  }
+  else if (what < 88) {
+    /* Moving GC between two GC passes, as the writeback thread runs
+     * it: the first counts the buckets it may fill, the second what it
+     * emptied, which is reused from then on while the moved keys may
+     * still be on their way to the journal. */
+    op = OP_MOVE;
+    alive = wb_ok (wb, bcf_gc_run (r->c), "GC") &&
+            wb_ok (wb, bcf_move_dirty (r->c, WB_CACHE_BYTES, NULL),
+                   "moving GC") && wb_ok (wb, bcf_gc_run (r->c), "GC");
   }
   else if (what < 97) {
     /* 4 x 64 KiB in a row: past the 128 KiB sequential cutoff the
@@ -1101,10 +1111,11 @@ wb_step (struct wb *wb)
 
 /* Writes (aligned or not, some FUA) anywhere and over dirty data, trims
  * and zeroes (mostly of dirty ranges), reads, flushes, writeback passes,
- * checkpoints, GC passes, short sequential streams that the cutoff makes
- * bypass the cache, and mode switches, on a cache small enough that
- * dirty data fills it (writes are then written through) and GC and the
- * journal wrap.  It ends after WB_OPS operations, or at the first that
+ * checkpoints, GC passes, moving GC (dirty data copied out of sparse
+ * buckets, which GC then frees), short sequential streams that the
+ * cutoff makes bypass the cache, and mode switches, on a cache small
+ * enough that dirty data fills it (writes are then written through) and
+ * GC and the journal wrap.  It ends after WB_OPS operations, or at the first that
  * brings the cache-device writes to WB_MAX_WRITES: that bounds the crash
  * points, whatever the seed.  Then a flush. */
 static void
@@ -1209,10 +1220,11 @@ wb_summary (struct wb *wb)
   printf (" (%u FUA, %u unaligned); %" PRIu64 " cache-device writes, %"
           PRIu64 " checkpoints, %" PRIu64 " GC passes, %" PRIu64
           " journal writes, %" PRIu64 " writes written through for want "
-          "of room, %" PRIu64 " bytes written back\n", wb->nfua,
+          "of room, %" PRIu64 " bytes written back, %" PRIu64 " extents "
+          "moved (%" PRIu64 " collisions)\n", wb->nfua,
           wb->nunaligned, wb_writes (wb), cs.checkpoint.count, cs.gc_passes,
           cs.journal_writes, rs.writeback_cutoff_writes,
-          rs.writeback_bytes);
+          rs.writeback_bytes, cs.moving_gc_keys, cs.moving_gc_collisions);
 }
 
 /* One run of workload w: power cut after write cut (0: none), then the
@@ -1308,6 +1320,153 @@ END_TEST
 START_TEST (test_crash_writeback_nointent) { wb_crash_workload (WB_NOINTENT); }
 END_TEST
 START_TEST (test_crash_writeback_export) { wb_crash_workload (WB_BACKING); }
+END_TEST
+
+/* ---- moving GC, then the old buckets reused --------------------------------- */
+
+/* Dirty blocks 0..63 in 8 KiB buckets (two blocks each), then the odd
+ * ones written again: each of the first buckets keeps one live dirty
+ * block.  All flushed (and, in one variant, checkpointed, so the old
+ * keys come back from the btree rather than the journal).  Then, with
+ * the power cut after write n of this phase: moving GC copies the even
+ * blocks out, a GC pass finds their old buckets clean, and clean inserts
+ * go on until the allocator has reused half of those buckets (new gens
+ * persisted, new data written over the old).  Whatever the crash keeps,
+ * every block must read its last write (all of them were flushed before
+ * the phase), and the writeback must put exactly that on the export: a
+ * moved key lost while its old bucket's reuse survived would bring back
+ * the old key, stale, and the block's dirty data with it (movinggc.c's
+ * point 3).  Negative control: with the move inserted by replace_key
+ * (not journalled, as fills are), this fails.  Every
+ * MOVE_CRASH_STRIDE-th index from one the seed picks (TEST_CRASH_STRIDE
+ * overrides, 1 for all). */
+#define MOVE_CRASH_BLOCKS 64
+#define MOVE_CRASH_STRIDE 1
+
+/* The phase: returns the cache-device writes it made (all of them when
+ * cut is 0). */
+static uint64_t
+move_crash_one (uint64_t cut, bool ckpt)
+{
+  struct run r;
+  struct bcf_req_opts wo = { .mode = BCF_MODE_WRITEBACK };
+  const struct bcf_req_opts ro = { .mode = BCF_MODE_NONE };
+  struct bcf_io_faults f = { .power_cut_after_write = cut };
+  struct bcf_io_stats st;
+  static uint8_t want[MOVE_CRASH_BLOCKS * BLOCK], got[MOVE_CRASH_BLOCKS * BLOCK];
+  uint64_t old[MOVE_CRASH_BLOCKS / 2], writes0;
+  uint8_t gen0[MOVE_CRASH_BLOCKS / 2];
+  unsigned reused = 0;
+  struct bcf_req *q;
+  int e = 0;
+
+  runs_sync_io = true;
+  run_init_policy (&r, "move.img", 1u << 20, 16, BCH_REPLACEMENT_FIFO);
+  runs_sync_io = false;
+  q = bcf_req_new (r.c, &wo);
+  ck_assert_ptr_nonnull (q);
+  bcf_req_set_sequential_cutoff (q, 0);
+  rng_state = seed * 0x9E3779B97F4A7C15ull + 41;
+  fill (want, sizeof want);
+  for (unsigned b = 0; b < MOVE_CRASH_BLOCKS; b++)
+    ck_assert_int_eq (bcf_req_write (q, &r.b, want + b * BLOCK, BLOCK,
+                                     b * BLOCK, false), 0);
+  fill (r.buf, MOVE_CRASH_BLOCKS / 2 * BLOCK);
+  for (unsigned b = 1; b < MOVE_CRASH_BLOCKS; b += 2) {
+    memcpy (want + b * BLOCK, r.buf + b / 2 * BLOCK, BLOCK);
+    ck_assert_int_eq (bcf_req_write (q, &r.b, want + b * BLOCK, BLOCK,
+                                     b * BLOCK, false), 0);
+  }
+  ck_assert_int_eq (bcf_req_flush (q, &r.b), 0);
+  if (ckpt)
+    ck_assert_int_eq (bcf_cache_checkpoint (r.c), 0);
+  ck_assert_int_eq (bcf_gc_run (r.c), 0);
+  for (unsigned b = 0; b < MOVE_CRASH_BLOCKS; b += 2) {
+    struct bcf_extent x;
+    unsigned n;
+
+    ck_assert_int_eq (bcf_lookup (r.c, b * BLOCK, BLOCK, &x, 1, &n), 0);
+    ck_assert (x.kind == BCF_EXTENT_HIT && x.dirty);
+    old[b / 2] = bucket_of_ptr (r.c, x.ptr);
+    gen0[b / 2] = r.c->alloc.buckets[old[b / 2]].gen;
+  }
+
+  bcf_io_set_faults (bcf_cache_test_io (r.c), &f);
+  bcf_io_stats (bcf_cache_test_io (r.c), &st);
+  writes0 = st.writes;
+  {
+    struct bcf_move_stats ms;
+
+    e = bcf_move_dirty (r.c, 1u << 20, &ms);
+    if (e == 0 && !cut)
+      ck_assert_uint_eq (ms.keys, MOVE_CRASH_BLOCKS / 2);
+  }
+  if (e == 0)
+    e = bcf_gc_run (r.c);
+  for (unsigned i = 0; e == 0 && i < 2000 && reused < MOVE_CRASH_BLOCKS / 4;
+       i++) {
+    uint64_t blk = MOVE_CRASH_BLOCKS + i % (NBLOCKS - MOVE_CRASH_BLOCKS) / 2 * 2;
+
+    backing_write_random (&r, blk, 2);
+    e = bcf_insert (r.c, blk * BLOCK, 2 * BLOCK, r.buf, false, false);
+    reused = 0;
+    for (unsigned k = 0; k < MOVE_CRASH_BLOCKS / 2; k++)
+      reused += r.c->alloc.buckets[old[k]].gen != gen0[k];
+  }
+  if (e == 0)
+    e = bcf_flush (r.c);
+  bcf_io_stats (bcf_cache_test_io (r.c), &st);
+  if (!cut) {
+    ck_assert_int_eq (e, 0);
+    ck_assert_uint_ge (reused, MOVE_CRASH_BLOCKS / 4);
+    bcf_req_free (q);
+    bcf_io_set_faults (bcf_cache_test_io (r.c), NULL);
+    run_free (&r);
+    return st.writes - writes0;
+  }
+  bcf_req_free (q);
+  run_crash_reopen (&r, seed ^ (cut << 8) ^ ckpt, BCF_IO_CRASH_RANDOM);
+  ck_assert_int_eq (bcf_cache_fsck (r.c, NULL, 0), 0);
+  q = bcf_req_new (r.c, &ro);
+  ck_assert_ptr_nonnull (q);
+  ck_assert_int_eq (bcf_req_read (q, &r.b, got, sizeof got, 0), 0);
+  for (unsigned b = 0; b < MOVE_CRASH_BLOCKS; b++)
+    ck_assert_msg (memcmp (got + b * BLOCK, want + b * BLOCK, BLOCK) == 0,
+                   "seed %u%s, power cut at write %" PRIu64 " of the move "
+                   "and the reuse: block %u does not read its last write "
+                   "(%s)", seed, ckpt ? " (old keys checkpointed)" : "", cut,
+                   b, memcmp (got + b * BLOCK, r.m.shadow + b * BLOCK, BLOCK)
+                   == 0 ? "it reads the export's older data" : "garbage");
+  ck_assert_int_eq (bcf_req_writeback (q, &r.b), 0);
+  mem_backing_peek (r.mb, got, sizeof got, 0);
+  ck_assert_msg (memcmp (got, want, sizeof got) == 0, "seed %u, power cut at "
+                 "write %" PRIu64 ": the writeback put other data on the "
+                 "export", seed, cut);
+  bcf_req_free (q);
+  run_free (&r);
+  return 0;
+}
+
+START_TEST (test_move_reuse_crash)
+{
+  const char *s = getenv ("TEST_CRASH_STRIDE");
+  uint64_t stride = s ? strtoull (s, NULL, 0) : MOVE_CRASH_STRIDE;
+
+  if (stride == 0)
+    stride = 1;
+  for (int ckpt = 0; ckpt < 2; ckpt++) {
+    uint64_t total = move_crash_one (0, ckpt), tested = 0;
+
+    for (uint64_t n = 1 + (s ? 0 : seed % stride); n <= total; n += stride) {
+      move_crash_one (n, ckpt);
+      tested++;
+    }
+    printf ("test-crash: moving GC then reuse%s: %" PRIu64 " of %" PRIu64
+            " write indices power-cut, recovered and checked\n",
+            ckpt ? " (old keys checkpointed)" : "", tested, total);
+    fflush (stdout);
+  }
+}
 END_TEST
 
 /* ---- the export barrier ---------------------------------------------------- */
@@ -2393,6 +2552,7 @@ crash_suite (void)
   add (s, "crash_writeback", test_crash_writeback);
   add (s, "crash_writeback_nointent", test_crash_writeback_nointent);
   add (s, "crash_writeback_export", test_crash_writeback_export);
+  add (s, "move_reuse_crash", test_move_reuse_crash);
   add (s, "export_barrier", test_export_barrier);
   add (s, "gen_reuse_crash", test_gen_reuse_crash);
   add (s, "prio_publish_crash", test_prio_publish_crash);

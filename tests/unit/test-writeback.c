@@ -665,7 +665,10 @@ END_TEST
  * buckets dirty or metadata stay within a point of 70 %.  Negative
  * control: with bcf_writeback_in_use returning only the last count, the
  * writes go on until the dirty bytes pass 70 %, with 95 % of the
- * buckets dirty or metadata. */
+ * buckets dirty or metadata.  Moving GC is off: its copies are no write
+ * and take fresh buckets past the cutoff too (73 % here), by at most a
+ * sixteenth of the cache and half the room left, until the GC pass
+ * after them frees more than they took (moving_gc_* tests below). */
 START_TEST (cutoff_follows_dirty_buckets)
 {
   struct fx f;
@@ -684,6 +687,7 @@ START_TEST (cutoff_follows_dirty_buckets)
   f.r = bcf_req_new (f.c, &f.ro);
   ck_assert_ptr_nonnull (f.r);
   ck_assert_int_eq (bcf_req_set_writeback_running (f.r, false), 0);
+  ck_assert_int_eq (bcf_req_set_copy_gc (f.r, false), 0);
   memset (buf, 0x5a, sizeof buf);
   for (uint64_t off = 0; off < first; off += sizeof buf)
     ck_assert_int_eq (bcf_req_write (f.r, &f.b, buf, sizeof buf, off, false),
@@ -1075,6 +1079,215 @@ START_TEST (delay_only_after_whole_index)
 }
 END_TEST
 
+/* ---- moving GC (core/movinggc.c) ------------------------------------------- */
+
+#define MV_BLOCKS 3072u                 /* 12 MiB: 96 buckets of 128 KiB */
+
+/* Block blk's content in generation g. */
+static void
+mv_fill (uint8_t *b, uint64_t blk, unsigned g)
+{
+  for (unsigned i = 0; i < BLOCK; i += 8) {
+    uint64_t v = blk * 0x9E3779B97F4A7C15ull + g * 0xff51afd7ed558ccdull + i;
+    memcpy (b + i, &v, 8);
+  }
+}
+
+/* Blocks [0, nblocks) written dirty, then 3 of every 4 written again in
+ * a seeded random order: the buckets of the first pass keep a quarter
+ * of their data live, dirty, and count as dirty as the full ones.
+ * want gets what each block must read. */
+static void
+mv_fragment (struct fx *f, uint64_t nblocks, uint8_t *want, bool fua)
+{
+  uint64_t *order = malloc (nblocks * sizeof *order), n = 0;
+
+  ck_assert_ptr_nonnull (order);
+  for (uint64_t blk = 0; blk < nblocks; blk++) {
+    mv_fill (want + blk * BLOCK, blk, 1);
+    ck_assert_int_eq (bcf_req_write (f->r, &f->b, want + blk * BLOCK, BLOCK,
+                                     blk * BLOCK, fua), 0);
+    if (blk % 4)
+      order[n++] = blk;
+  }
+  rng_state = seed * 131 + 3;
+  for (uint64_t i = n - 1; i > 0; i--) {
+    uint64_t j = rnd_below (i + 1), t = order[i];
+    order[i] = order[j];
+    order[j] = t;
+  }
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t blk = order[i];
+    mv_fill (want + blk * BLOCK, blk, 2);
+    ck_assert_int_eq (bcf_req_write (f->r, &f->b, want + blk * BLOCK, BLOCK,
+                                     blk * BLOCK, fua), 0);
+  }
+  free (order);
+}
+
+/* Moving GC copies the live dirty data of the emptiest dirty buckets into
+ * fresh ones: afterwards a GC pass counts far fewer buckets dirty, the
+ * same bytes are dirty, every block reads what was last written to it,
+ * across a crash once flushed (the moved keys are journalled), and the
+ * writeback writes the same data back. */
+START_TEST (moving_gc_compacts_dirty_data)
+{
+  struct fx f;
+  static uint8_t want[MV_BLOCKS * BLOCK];
+  struct bcf_cache_stats cs0, cs1;
+  struct bcf_req_stats rs;
+  struct bcf_move_stats ms;
+
+  fx_init (&f, "move.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  mv_fragment (&f, MV_BLOCKS, want, false);
+  bcf_req_get_stats (f.r, &rs);
+  ck_assert_uint_eq (rs.writeback_cutoff_writes, 0);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  bcf_cache_stats (f.c, &cs0);
+
+  ck_assert_int_eq (bcf_move_dirty (f.c, 64 * MiB, &ms), 0);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  bcf_cache_stats (f.c, &cs1);
+  printf ("test-writeback: moving GC: %" PRIu64 " buckets chosen, %" PRIu64
+          " extents (%" PRIu64 " bytes) moved, %" PRIu64 " collisions; "
+          "buckets dirty %" PRIu64 " -> %" PRIu64 "\n", ms.buckets, ms.keys,
+          ms.bytes, ms.collisions, cs0.buckets_dirty, cs1.buckets_dirty);
+  /* A quarter of the first 96 buckets was live: 3 MiB into 24. */
+  ck_assert_uint_eq (ms.bytes, MV_BLOCKS / 4 * BLOCK);
+  ck_assert_uint_eq (ms.collisions, 0);
+  ck_assert_uint_eq (cs1.moving_gc_bytes, ms.bytes);
+  ck_assert_uint_le (cs1.buckets_dirty + 60, cs0.buckets_dirty);
+  ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), MV_BLOCKS * BLOCK);
+  check_read (&f, 0, want, sizeof want, "after the move");
+
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  fx_crash (&f);
+  check_read (&f, 0, want, sizeof want, "after the move and a crash");
+  ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), MV_BLOCKS * BLOCK);
+  ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
+  check_backing (&f, 0, want, sizeof want, "written back after the move");
+  fx_free (&f);
+}
+END_TEST
+
+struct mv_race {
+  struct fx *f;
+  uint8_t newer[BLOCK];
+  unsigned calls;
+};
+
+/* During the first batch of the move, between its copy and its inserts:
+ * block 0 is written again, block 4 trimmed. */
+static void
+mv_race_hook (struct bcf_cache *c, void *opaque)
+{
+  struct mv_race *m = opaque;
+
+  c->test_move_hook = NULL;
+  m->calls++;
+  memset (m->newer, 0xc3, sizeof m->newer);
+  ck_assert_int_eq (bcf_req_write (m->f->r, &m->f->b, m->newer, BLOCK, 0,
+                                   false), 0);
+  ck_assert_int_eq (bcf_req_trim (m->f->r, &m->f->b, BLOCK, 4 * BLOCK, false),
+                    0);
+}
+
+/* A write or a trim that lands while moving GC copies the range wins:
+ * the move's insert is a compare-and-swap against the old key.
+ * Negative control: with insert_key's expect NULL in extent_move_dirty,
+ * block 0 reads its older data again. */
+START_TEST (moving_gc_yields_to_a_racing_write)
+{
+  struct fx f;
+  static uint8_t want[256 * BLOCK];
+  static struct mv_race m;
+  struct bcf_move_stats ms;
+
+  fx_init (&f, "moverace.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  bcf_req_set_sequential_cutoff (f.r, 0);
+  mv_fragment (&f, 256, want, false);
+  ck_assert_int_eq (bcf_gc_run (f.c), 0);
+  m.f = &f;
+  f.c->test_move_hook = mv_race_hook;
+  f.c->test_move_hook_opaque = &m;
+  ck_assert_int_eq (bcf_move_dirty (f.c, 64 * MiB, &ms), 0);
+  ck_assert_uint_eq (m.calls, 1);
+  memcpy (want, m.newer, BLOCK);
+  memset (want + 4 * BLOCK, 0, BLOCK);
+  check_read (&f, 0, want, sizeof want, "after a move raced by writes");
+  ck_assert_uint_eq (ms.collisions, 2);
+  ck_assert_uint_eq (ms.keys, 256 / 4 - 2);
+  ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
+  check_backing (&f, 0, want, sizeof want, "written back");
+  fx_free (&f);
+}
+END_TEST
+
+/* The writeback thread moves dirty data between its batches when the
+ * buckets counted in use are past cutoff_writeback and the dirty data
+ * fills less than 3/4 of the buckets marked dirty: with the writeback
+ * paused and no write, once copy_gc_enabled is set the count falls under
+ * the cutoff within a few rounds, while the dirty bytes stay as they
+ * were.  Left at 0 it stays above for as long (the control, in the same
+ * test). */
+START_TEST (moving_gc_lifts_the_cutoff)
+{
+  for (int on = 0; on <= 1; on++) {
+    struct fx f;
+    static uint8_t want[5120 * BLOCK];
+    struct bcf_req_stats rs;
+    struct bcf_cache_stats cs;
+    uint64_t dirty;
+    int i;
+
+    fx_init (&f, "movecut.img", 64 * MiB, BCF_MODE_WRITEBACK);
+    ck_assert_int_eq (bcf_cache_start_threads (f.c), 0);
+    fx_paused_writeback (&f, BCF_SYNC_WRITES_FUA);  /* FUA ones up to 70 % */
+    ck_assert_int_eq (bcf_req_set_copy_gc (f.r, false), 0);
+    /* 20 MiB, then 15 again: 280 of the 512 buckets marked dirty. */
+    mv_fragment (&f, 5120, want, true);
+    bcf_req_get_stats (f.r, &rs);
+    ck_assert_uint_eq (rs.writeback_cutoff_writes, 0);
+    dirty = bcf_cache_dirty_bytes (f.c);
+    bcf_trigger_gc (f.c);
+    for (i = 0; i < 300; i++) {         /* the next round's count */
+      bcf_req_get_stats (f.r, &rs);
+      if (rs.cache_in_use > BCF_WB_CUTOFF)
+        break;
+      usleep (10000);
+    }
+    ck_assert_uint_gt (rs.cache_in_use, BCF_WB_CUTOFF);
+    ck_assert_int_eq (bcf_req_set_copy_gc (f.r, on), 0);
+    for (i = 0; i < 600; i++) {         /* rounds every second: 6 s */
+      bcf_req_get_stats (f.r, &rs);
+      if (rs.cache_in_use <= BCF_WB_CUTOFF)
+        break;
+      usleep (10000);
+    }
+    bcf_cache_stats (f.c, &cs);
+    printf ("test-writeback: copy_gc_enabled %d: %u %% of the buckets in "
+            "use after %d ms, %" PRIu64 " bytes moved; %" PRIu64 " dirty, "
+            "%" PRIu64 " buckets dirty\n", on,
+            rs.cache_in_use, i * 10, cs.moving_gc_bytes, dirty,
+            cs.buckets_dirty);
+    fflush (stdout);
+    ck_assert_uint_eq (bcf_cache_dirty_bytes (f.c), dirty);
+    if (on)
+      ck_assert_msg (rs.cache_in_use <= BCF_WB_CUTOFF, "%u %% of the buckets "
+                     "still counted in use", rs.cache_in_use);
+    else
+      ck_assert_uint_gt (rs.cache_in_use, BCF_WB_CUTOFF);
+    ck_assert_uint_eq (cs.moving_gc_bytes > 0, on);
+    check_read (&f, 0, want, sizeof want, "after the moves");
+    ck_assert_int_eq (bcf_req_flush_dirty (f.r, &f.b, 60000, NULL, NULL), 0);
+    check_backing (&f, 0, want, sizeof want, "written back");
+    f.ro.background = NULL;
+    fx_free (&f);
+  }
+}
+END_TEST
+
 static Suite *
 writeback_suite (void)
 {
@@ -1105,6 +1318,9 @@ writeback_suite (void)
   ADD (dirty_data_never_fills_the_cache);
   ADD (write_over_dirty_device_refuses_writes);
   ADD (writethrough_over_dirty_backing_fails);
+  ADD (moving_gc_compacts_dirty_data);
+  ADD (moving_gc_yields_to_a_racing_write);
+  ADD (moving_gc_lifts_the_cutoff);
 #undef ADD
   return s;
 }
