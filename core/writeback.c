@@ -652,27 +652,41 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
  * writes meet: the fuller the cache may get, the emptier the emptiest
  * buckets are, and the less is copied per bucket freed (under
  * filter-bench's rmw, starting at 40 % copied 1.85 GB for 2.19 GB of
- * client writes in 20 s).  At most a sixteenth of the cache per run,
- * and one run per GC pass: the pass it asks for counts what the run
- * emptied, and the next run chooses from those counts.  Under lock
- * (dropped for the run, which does I/O). */
+ * client writes in 20 s).  One run per GC pass: the pass it asks for
+ * counts what the run emptied, and the next run chooses from those
+ * counts.  A run copies at most a sixteenth of the cache, and no more
+ * than the buckets in use can take before 2 points short of
+ * cutoff_writeback_sync: its copies count as in use until that pass has
+ * freed the buckets they came from, and past the cutoff every write is
+ * written through (with only the sixteenth, an O_DIRECT rmw run wrote
+ * 5,192 writes through where it wrote none without moving GC).  Close
+ * to the cutoff it still copies 1/128 of the cache, so that it can dig
+ * a cache out from there.  Under lock (dropped for the run, which does
+ * I/O). */
 static void
 move_between_batches_locked (struct bcf_writeback *wb)
 {
   struct bcf_cache_stats cs;
   struct bcf_move_stats ms;
   uint64_t passes = bcf_gc_passes (wb->c), dirty_buckets_sectors;
+  const uint64_t capacity = wb->capacity_sectors << 9;
+  unsigned in_use = bcf_writeback_in_use (wb);
+  uint64_t budget = capacity / 16, headroom;
 
   if (!wb->t.writeback || !wb->t.copy_gc || passes == wb->moved_at_gc ||
-      bcf_writeback_in_use (wb) <= wb->t.copy_gc_above)
+      in_use <= wb->t.copy_gc_above)
     return;
+  headroom = in_use + 2 < BCF_WB_CUTOFF_SYNC
+             ? capacity / 100 * (BCF_WB_CUTOFF_SYNC - 2 - in_use) : 0;
+  if (headroom < budget)
+    budget = headroom > capacity / 128 ? headroom : capacity / 128;
   bcf_cache_stats (wb->c, &cs);
   dirty_buckets_sectors = cs.buckets_dirty * (cs.bucket_bytes >> 9);
   if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 4 > dirty_buckets_sectors * 3)
     return;
   wb->moved_at_gc = passes;
   pthread_mutex_unlock (&wb->lock);
-  bcf_move_dirty (wb->c, (wb->capacity_sectors << 9) / 16, &ms);
+  bcf_move_dirty (wb->c, budget, &ms);
   if (ms.keys)
     bcf_trigger_gc (wb->c);
   pthread_mutex_lock (&wb->lock);
