@@ -55,7 +55,9 @@
  *      gen is persisted with a journal entry before the bucket is handed
  *      out (alloc.c), and journal entries become durable in order, so
  *      that entry's durability implies the move's.  test-crash's
- *      writeback workloads move dirty data at every crash point.
+ *      move_reuse_crash cuts the power at every write of a move, the
+ *      GC after it and the reuse of the old buckets; its writeback
+ *      workloads move dirty data among their other operations.
  *  (4) A reader that looked the old key up and reads the old bucket
  *      after its reuse sees a stale pointer (bcf_read_hit's recheck); a
  *      dirty hit is then looked up again, never read from the export
