@@ -1395,6 +1395,7 @@ extent_move_dirty (struct bcf_cache *c, const struct bcf_extent *e,
   uint64_t *ptr = calloc (n, sizeof *ptr);
   uint64_t off = 0;
   unsigned nw = 0;
+  int r = 0;                    /* the first allocation that failed */
 
   if (!segs || !ptr) {
     for (unsigned i = 0; i < n; i++)
@@ -1413,7 +1414,7 @@ extent_move_dirty (struct bcf_cache *c, const struct bcf_extent *e,
       res[i] = -ESTALE;
   }
   /* Allocate for every extent read; after the first failure, none. */
-  for (unsigned i = 0, r = 0; i < n; i++) {
+  for (unsigned i = 0; i < n; i++) {
     if (res[i] < 0)
       continue;
     if (r == 0 && c->failed)
