@@ -38,7 +38,7 @@ struct bcf_writeback;
 #define BCF_WB_FP_TERM_HIGH     1000
 #define BCF_WB_CUTOFF           40      /* bcache's cutoff_writeback */
 #define BCF_WB_CUTOFF_SYNC      70      /* ... cutoff_writeback_sync */
-#define BCF_WB_MOVE_MARGIN      10      /* moving GC starts this far below
+#define BCF_WB_MOVE_MARGIN      5       /* moving GC starts this far below
                                            the cutoff (writeback.c) */
 
 struct bcf_wb_pi {
