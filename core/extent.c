@@ -1413,7 +1413,11 @@ extent_move_dirty (struct bcf_cache *c, const struct bcf_extent *e,
     if (res[i] == 0 && ptr_stale (c, e[i].ptr))
       res[i] = -ESTALE;
   }
-  /* Allocate for every extent read; after the first failure, none. */
+  /* Allocate for every extent read; after the first failure, none.  One
+   * allocation per extent, not alloc_pieces: that cuts at
+   * data_chunk_sectors, which can be shorter than a key (65535 sectors
+   * in a bucket of 32 MiB with 4 KiB blocks), and the moved key must stay
+   * one key, replacing exactly the old one. */
   for (unsigned i = 0; i < n; i++) {
     if (res[i] < 0)
       continue;

@@ -20,8 +20,8 @@
  *     dirty keys (bcf_dirty_scan: exact now, where GC's sectors_used
  *     counts clean data too and is as old as the last pass).
  *  2. Chooses, under alloc.lock, closed data buckets (state available,
- *     marked dirty, no write in flight into them) at most 3/4 full of
- *     dirty data, emptiest first, while their dirty data fits max_bytes
+ *     marked dirty, no write in flight into them) at most
+ *     BCF_MOVE_FILL_MAX_PERCENT (3/4) full of dirty data, emptiest first, while their dirty data fits max_bytes
  *     and half the buckets the allocator could still hand out (a run
  *     never takes the room the writes it makes room for need).
  *  3. Scans again and copies the extents that lie in chosen buckets, in
@@ -83,8 +83,6 @@
 #define MOVE_SCAN        128            /* extents per bcf_dirty_scan */
 #define MOVE_BATCH       64             /* extents per extent_move_dirty */
 #define MOVE_BATCH_BYTES (1u << 20)     /* at least; a bucket if larger */
-#define MOVE_FILL_NUM    3              /* move buckets at most 3/4 full */
-#define MOVE_FILL_DEN    4
 
 /* Calls fn for every dirty extent of the cache, in key order.  Returns 0,
  * fn's first nonzero return, or -errno. */
@@ -145,7 +143,7 @@ choose_buckets (struct bcf_cache *c, const uint32_t *dirty,
                 uint64_t max_sectors, uint8_t *chosen)
 {
   struct alloc_state *a = &c->alloc;
-  const uint64_t full = c->bucket_sectors * MOVE_FILL_NUM / MOVE_FILL_DEN;
+  const uint64_t full = c->bucket_sectors * BCF_MOVE_FILL_MAX_PERCENT / 100;
   struct candidate *cand = malloc (a->nbuckets * sizeof *cand);
   uint64_t ncand = 0, room = 0, sum = 0, n = 0;
 

@@ -646,7 +646,9 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
  * the buckets counted in use are within BCF_WB_MOVE_MARGIN of the
  * cutoff the writes meet first (copy_gc_above: cutoff_writeback_sync
  * when every write counts as bcache's REQ_SYNC, else cutoff_writeback)
- * and the dirty data fills less than 3/4 of the buckets marked dirty:
+ * and the dirty data fills at most BCF_MOVE_FILL_MAX_PERCENT of the
+ * buckets marked dirty (bcf_move_dirty's own rule per bucket, here on
+ * average, so that no scan is made where no bucket could qualify):
  * then copying the emptiest buckets' dirty data brings the count down
  * towards the dirty bytes.  Not from cutoff_writeback on whatever the
  * writes meet: the fuller the cache may get, the emptier the emptiest
@@ -654,9 +656,8 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
  * filter-bench's rmw, starting at 40 % copied 1.85 GB for 2.19 GB of
  * client writes in 20 s; at 60 %, 2.74 GB over two such runs, and at
  * 65 %, 2.19 GB, with 5.9k writes written through instead of 15.1k).
- * One run per GC pass: the pass it asks for
- * counts what the run emptied, and the next run chooses from those
- * counts.  A run copies at most a sixteenth of the cache, and no more
+ * One run per GC pass: the pass it asks for counts what the run emptied,
+ * and the next run chooses from those counts.  A run copies at most a sixteenth of the cache, and no more
  * than the buckets in use can take before 2 points short of
  * cutoff_writeback_sync: its copies count as in use until that pass has
  * freed the buckets they came from, and past the cutoff every write is
@@ -684,8 +685,9 @@ move_between_batches_locked (struct bcf_writeback *wb)
     budget = headroom > capacity / 128 ? headroom : capacity / 128;
   bcf_cache_stats (wb->c, &cs);
   dirty_buckets_sectors = cs.buckets_dirty * (cs.bucket_bytes >> 9);
-  if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 4 > dirty_buckets_sectors * 3)
-    return;
+  if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 100 >
+      dirty_buckets_sectors * BCF_MOVE_FILL_MAX_PERCENT)
+    return;                     /* the buckets are too full to empty */
   wb->moved_at_gc = passes;
   pthread_mutex_unlock (&wb->lock);
   bcf_move_dirty (wb->c, budget, &ms);

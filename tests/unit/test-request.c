@@ -744,8 +744,8 @@ detach_thread_fn (void *arg)
  * blocks, where it is held (gate 2).  Then the run goes on and marks K0
  * clean: nothing is dirty.  A drain that stops there returns while W,
  * released, then caches its blocks as dirty keys: a detached cache with
- * dirty data (what test-filter-detach caught once in CI).  Fixed, the drain waits for W
- * and writes its keys back too. */
+ * dirty data (what test-filter-detach caught once in CI).  Fixed, the
+ * drain waits for W and writes its keys back too. */
 START_TEST (detach_waits_for_writes_that_saw_dirty)
 {
   struct fx f;
