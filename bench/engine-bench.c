@@ -570,7 +570,10 @@ mem_visit (struct bcf_cache *c, struct btree_node *n, void *opaque)
     m->interior++;
   m->key_cap += n->keys.cap;
   m->open_cap += n->open.cap;
-  m->bytes += sizeof *n + keyset_bytes (&n->keys) + keyset_bytes (&n->open);
+  /* dcopies: the dirty keys journalled since the last capture (phase f
+   * makes them; clean inserts never do). */
+  m->bytes += sizeof *n + keyset_bytes (&n->keys) + keyset_bytes (&n->open) +
+              keyset_bytes (&n->dcopies);
   return 0;
 }
 
