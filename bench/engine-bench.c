@@ -997,7 +997,6 @@ phase_overwrites (struct bench *b)
   for (unsigned ti = 0; ti < 2 && opt.overwrites; ti++) {
     unsigned t = thr[ti];
     struct hist *h = hist_new ();
-    struct bcf_time_stat u0, u1;
     struct bcf_cache_stats st0, st1;
     uint64_t errors;
     double secs;
@@ -1005,25 +1004,22 @@ phase_overwrites (struct bench *b)
 
     if (ti == 1 && t == 1)
       break;
-    pthread_mutex_lock (&b->c->stats.time_lock);
-    u0 = b->c->stats.update_locked;
-    pthread_mutex_unlock (&b->c->stats.time_lock);
     bcf_cache_stats (b->c, &st0);
     secs = run_workers (b, W_OVERWRITE, t, opt.overwrites / t, true, h,
                         &errors, NULL);
     bcf_cache_stats (b->c, &st1);
-    pthread_mutex_lock (&b->c->stats.time_lock);
-    u1 = b->c->stats.update_locked;
-    pthread_mutex_unlock (&b->c->stats.time_lock);
     row ("overwrite 4K", b->nkeys, t, opt.overwrites / t * t, secs, h,
          "bcf_write_begin_back over cached blocks; btree lock held for "
          "updates %" PRIu64 " times, average %s, max %s (all time); %" PRIu64
          " journal writes, %" PRIu64 " checkpoints%s",
-         u1.count - u0.count,
-         fmt_ns (ta, sizeof ta, u1.count > u0.count
-                 ? (double) (u1.total_ns - u0.total_ns) /
-                   (double) (u1.count - u0.count) : 0),
-         fmt_ns (tm, sizeof tm, (double) u1.max_ns),
+         st1.update_locked.count - st0.update_locked.count,
+         fmt_ns (ta, sizeof ta, st1.update_locked.count >
+                                st0.update_locked.count
+                 ? (double) (st1.update_locked.total_ns -
+                             st0.update_locked.total_ns) /
+                   (double) (st1.update_locked.count -
+                             st0.update_locked.count) : 0),
+         fmt_ns (tm, sizeof tm, (double) st1.update_locked.max_ns),
          st1.journal_writes - st0.journal_writes,
          st1.checkpoint.count - st0.checkpoint.count,
          errors ? "; ERRORS" : "");
@@ -1039,6 +1035,8 @@ phase_overwrites (struct bench *b)
          "random hit reads after them, content checked; %" PRIu64
          " stale%s", stale, errors ? "; ERRORS" : "");
   }
+  free (overwritten);
+  overwritten = NULL;           /* no phase reads the blocks after this */
 }
 
 /* Every key, once (after a reopen: persistence).  Once all N are in,

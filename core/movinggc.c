@@ -21,9 +21,10 @@
  *     counts clean data too and is as old as the last pass).
  *  2. Chooses, under alloc.lock, closed data buckets (state available,
  *     marked dirty, no write in flight into them) at most
- *     BCF_MOVE_FILL_MAX_PERCENT (3/4) full of dirty data, emptiest first, while their dirty data fits max_bytes
- *     and half the buckets the allocator could still hand out (a run
- *     never takes the room the writes it makes room for need).
+ *     BCF_MOVE_FILL_MAX_PERCENT (3/4) full of dirty data, emptiest
+ *     first, while their dirty data fits max_bytes and half the
+ *     buckets the allocator could still hand out (a run never takes the
+ *     room the writes it makes room for need).
  *  3. Scans again and copies the extents that lie in chosen buckets, in
  *     batches (extent_move_dirty): read, write to new space, then
  *     replace-insert the same dirty key at the new place, journalled,

@@ -657,15 +657,15 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
  * client writes in 20 s; at 60 %, 2.74 GB over two such runs, and at
  * 65 %, 2.19 GB, with 5.9k writes written through instead of 15.1k).
  * One run per GC pass: the pass it asks for counts what the run emptied,
- * and the next run chooses from those counts.  A run copies at most a sixteenth of the cache, and no more
- * than the buckets in use can take before 2 points short of
- * cutoff_writeback_sync: its copies count as in use until that pass has
- * freed the buckets they came from, and past the cutoff every write is
- * written through (with only the sixteenth, an O_DIRECT rmw run wrote
- * 5,192 writes through where it wrote none without moving GC).  Close
- * to the cutoff it still copies 1/128 of the cache, so that it can dig
- * a cache out from there.  Under lock (dropped for the run, which does
- * I/O). */
+ * and the next run chooses from those counts.  A run copies at most a
+ * sixteenth of the cache, and no more than the buckets in use can take
+ * before 2 points short of cutoff_writeback_sync: its copies count as
+ * in use until that pass has freed the buckets they came from, and past
+ * the cutoff every write is written through (with only the sixteenth,
+ * an O_DIRECT rmw run wrote 5,192 writes through where it wrote none
+ * without moving GC).  Close to the cutoff it still copies 1/128 of the
+ * cache, so that it can dig a cache out from there.  Under lock
+ * (dropped for the run, which does I/O). */
 static void
 move_between_batches_locked (struct bcf_writeback *wb)
 {

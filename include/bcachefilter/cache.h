@@ -496,6 +496,10 @@ bool bcf_dirty_still (struct bcf_cache *c, const struct bcf_extent *e);
  * marked clean, or -errno. */
 int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
 
+/* A bucket more than this % full of live dirty data is not emptied by
+ * moving GC: a run would copy nearly a bucket to free one. */
+#define BCF_MOVE_FILL_MAX_PERCENT 75
+
 /* Moving GC (bcache's movinggc.c, which mainline leaves off): dirty data
  * scattered over many buckets keeps each of them counted as dirty, and
  * the writeback cutoffs count buckets, not bytes.  bcf_move_dirty copies
@@ -505,9 +509,6 @@ int64_t bcf_dirty_mark_clean (struct bcf_cache *c, const struct bcf_extent *e);
  * dirty: a move never loses or reorders a write (core/movinggc.c says
  * why).  The caller asks for the GC afterwards.  Returns 0 or -errno;
  * st (if not NULL) gets what this call did. */
-/* A bucket more than this % full of live dirty data is not emptied: a
- * run would copy nearly a bucket to free one. */
-#define BCF_MOVE_FILL_MAX_PERCENT 75
 struct bcf_move_stats {
   uint64_t buckets;             /* buckets chosen */
   uint64_t keys, bytes;         /* extents moved, their bytes */
