@@ -657,15 +657,9 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
  * client writes in 20 s; at 60 %, 2.74 GB over two such runs, and at
  * 65 %, 2.19 GB, with 5.9k writes written through instead of 15.1k).
  * One run per GC pass: the pass it asks for counts what the run emptied,
- * and the next run chooses from those counts.  A run copies at most a
- * sixteenth of the cache, and no more than the buckets in use can take
- * before 2 points short of cutoff_writeback_sync: its copies count as
- * in use until that pass has freed the buckets they came from, and past
- * the cutoff every write is written through (with only the sixteenth,
- * an O_DIRECT rmw run wrote 5,192 writes through where it wrote none
- * without moving GC).  Close to the cutoff it still copies 1/128 of the
- * cache, so that it can dig a cache out from there.  Under lock
- * (dropped for the run, which does I/O). */
+ * and the next run chooses from those counts; how much one run copies is
+ * bcf_wb_move_budget's.  Under lock (dropped for the run, which does
+ * I/O). */
 static void
 move_between_batches_locked (struct bcf_writeback *wb)
 {
@@ -674,15 +668,13 @@ move_between_batches_locked (struct bcf_writeback *wb)
   uint64_t passes = bcf_gc_passes (wb->c), dirty_buckets_sectors;
   const uint64_t capacity = wb->capacity_sectors << 9;
   unsigned in_use = bcf_writeback_in_use (wb);
-  uint64_t budget = capacity / 16, headroom;
+  uint64_t budget;
 
   if (!wb->t.writeback || !wb->t.copy_gc || passes == wb->moved_at_gc ||
       in_use <= wb->t.copy_gc_above)
     return;
-  headroom = in_use + 2 < BCF_WB_CUTOFF_SYNC
-             ? capacity / 100 * (BCF_WB_CUTOFF_SYNC - 2 - in_use) : 0;
-  if (headroom < budget)
-    budget = headroom > capacity / 128 ? headroom : capacity / 128;
+  budget = bcf_wb_move_budget (capacity, in_use,
+                               wb->t.copy_gc_above + BCF_WB_MOVE_MARGIN);
   bcf_cache_stats (wb->c, &cs);
   dirty_buckets_sectors = cs.buckets_dirty * (cs.bucket_bytes >> 9);
   if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 100 >
@@ -694,6 +686,35 @@ move_between_batches_locked (struct bcf_writeback *wb)
   if (ms.keys)
     bcf_trigger_gc (wb->c);
   pthread_mutex_lock (&wb->lock);
+}
+
+/* A run copies at most a sixteenth of the cache.  Below the cutoff the
+ * writes meet, no more than the buckets in use can take before
+ * BCF_WB_MOVE_HEADROOM points short of it: a run's copies count as in
+ * use until the GC pass after it has freed the buckets they came from,
+ * and past the cutoff writes are written through (with only the
+ * sixteenth, an O_DIRECT rmw run wrote 5,192 writes through where it
+ * wrote none without moving GC).  Close to the cutoff a run still
+ * copies 1/128 of the cache, so that it can dig a cache out from there.
+ * At or past the cutoff the writes are written through already, and the
+ * sooner the count is back under it the fewer are: the whole sixteenth.
+ * The cutoff is cutoff_writeback, not cutoff_writeback_sync, where only
+ * FUA writes count as sync (bcache-sync-writes=fua): the others meet
+ * the lower one, and a run sized against the higher one pushed them
+ * through. */
+uint64_t
+bcf_wb_move_budget (uint64_t capacity, unsigned in_use, unsigned cutoff)
+{
+  uint64_t budget = capacity / BCF_WB_MOVE_MAX_SHARE;
+  uint64_t least = capacity / BCF_WB_MOVE_MIN_SHARE, headroom;
+
+  if (in_use >= cutoff)
+    return budget;
+  headroom = in_use + BCF_WB_MOVE_HEADROOM < cutoff
+             ? capacity / 100 * (cutoff - BCF_WB_MOVE_HEADROOM - in_use) : 0;
+  if (headroom < budget)
+    budget = headroom > least ? headroom : least;
+  return budget;
 }
 
 static void *

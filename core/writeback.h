@@ -40,6 +40,12 @@ struct bcf_writeback;
 #define BCF_WB_CUTOFF_SYNC      70      /* ... cutoff_writeback_sync */
 #define BCF_WB_MOVE_MARGIN      5       /* moving GC starts this far below
                                            the cutoff (writeback.c) */
+#define BCF_WB_MOVE_HEADROOM    2       /* a run's copies stop this far
+                                           below it (bcf_wb_move_budget) */
+#define BCF_WB_MOVE_MAX_SHARE   16      /* a run copies at most 1/16 of the
+                                           cache, */
+#define BCF_WB_MOVE_MIN_SHARE   128     /* and may copy 1/128 of it even
+                                           past the headroom */
 
 struct bcf_wb_pi {
   int64_t rate;                 /* sectors/s */
@@ -60,6 +66,12 @@ struct bcf_wb_pi_input {
   bool idle;                    /* no front-end I/O since the last round */
   uint64_t now_ns;
 };
+
+/* How many bytes one moving-GC run may copy in a cache of capacity
+ * bytes with in_use % of its buckets in use, when the writes meet their
+ * cutoff at cutoff % (writeback.c, move_between_batches_locked). */
+uint64_t bcf_wb_move_budget (uint64_t capacity, unsigned in_use,
+                             unsigned cutoff);
 
 void bcf_wb_pi_init (struct bcf_wb_pi *pi, uint64_t now_ns);
 /* bcache's __update_writeback_rate, plus its idle boost. */

@@ -1227,6 +1227,41 @@ START_TEST (moving_gc_yields_to_a_racing_write)
 }
 END_TEST
 
+/* How much one moving-GC run may copy (bcf_wb_move_budget): a
+ * sixteenth of the cache, less where its copies would push the buckets
+ * in use within 2 points of the cutoff the writes meet, at least 1/128
+ * just below it, and the sixteenth again at or past it.  With only FUA
+ * writes sync (bcache-sync-writes=fua) the writes meet cutoff_writeback:
+ * sized against cutoff_writeback_sync instead, a run at 37 % copied a
+ * sixteenth and pushed them through. */
+START_TEST (moving_gc_budget)
+{
+  const uint64_t cap = 1ull << 30, pct = cap / 100;
+  const uint64_t max = cap / 16, floor = cap / 128;
+
+  /* Every write sync: cutoff_writeback_sync. */
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 60, BCF_WB_CUTOFF_SYNC), max);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 66, BCF_WB_CUTOFF_SYNC),
+                     2 * pct);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 67, BCF_WB_CUTOFF_SYNC), pct);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 68, BCF_WB_CUTOFF_SYNC),
+                     floor);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 69, BCF_WB_CUTOFF_SYNC),
+                     floor);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 70, BCF_WB_CUTOFF_SYNC), max);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 85, BCF_WB_CUTOFF_SYNC), max);
+  /* FUA writes only: the others meet cutoff_writeback. */
+  ck_assert_msg (bcf_wb_move_budget (cap, 36, BCF_WB_CUTOFF) == 2 * pct,
+                 "a run at 36 %% may copy %" PRIu64 " bytes, where 2 %% "
+                 "(%" PRIu64 ") keeps the writes under cutoff_writeback",
+                 bcf_wb_move_budget (cap, 36, BCF_WB_CUTOFF), 2 * pct);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 37, BCF_WB_CUTOFF), pct);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 38, BCF_WB_CUTOFF), floor);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 39, BCF_WB_CUTOFF), floor);
+  ck_assert_uint_eq (bcf_wb_move_budget (cap, 57, BCF_WB_CUTOFF), max);
+}
+END_TEST
+
 /* The writeback thread moves dirty data between its batches when the
  * buckets counted in use are past cutoff_writeback and the dirty data
  * fills less than 3/4 of the buckets marked dirty: with the writeback
@@ -1323,6 +1358,7 @@ writeback_suite (void)
   ADD (writethrough_over_dirty_backing_fails);
   ADD (moving_gc_compacts_dirty_data);
   ADD (moving_gc_yields_to_a_racing_write);
+  ADD (moving_gc_budget);
   ADD (moving_gc_lifts_the_cutoff);
 #undef ADD
   return s;
