@@ -308,6 +308,8 @@ void bcf_req_test_disable_tracker (struct bcf_req *r, bool disabled);
 void bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled);
 /* Tests only: writes waiting for their turn in the tracker now. */
 uint64_t bcf_req_test_writes_waiting (struct bcf_req *r);
+/* Tests only: times a fill worker woke to find nothing queued. */
+uint64_t bcf_req_test_fill_idle_wakeups (struct bcf_req *r);
 
 #pragma GCC visibility pop
 

@@ -1176,6 +1176,35 @@ START_TEST (fills_run_without_drain)
 }
 END_TEST
 
+/* A flush drains the fill queue (bcf_req_drain); with nothing queued it
+ * leaves the idle fill workers asleep.  (Waking them at every flush, as
+ * it did, costs two context switches a flush for nothing: 200 flushes
+ * here woke them a few hundred times.)  With a fill queued the drain
+ * still runs it. */
+START_TEST (flush_leaves_idle_fill_workers_asleep)
+{
+  struct fx f;
+  uint8_t a[4096], got[4096];
+
+  fx_init (&f, "idle-fill.img", 64 * MiB, BCF_MODE_WRITEBACK);
+  pattern (a, sizeof a, 0x71);
+  usleep (20000);                       /* the workers are waiting */
+  for (unsigned i = 0; i < 200; i++) {
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, a, sizeof a,
+                                     (uint64_t) (i % 16) * 65536, false), 0);
+    ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  }
+  usleep (20000);
+  ck_assert_msg (bcf_req_test_fill_idle_wakeups (f.r) == 0,
+                 "200 flushes woke the idle fill workers %" PRIu64 " times",
+                 bcf_req_test_fill_idle_wakeups (f.r));
+  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, 32 * MiB), 0);
+  ck_assert_int_eq (bcf_req_flush (f.r, &f.b), 0);
+  ck_assert (cached_no_drain (&f, 32 * MiB, sizeof got));
+  fx_free (&f);
+}
+END_TEST
+
 /* Unaligned requests, and a backing store whose size is not a multiple of
  * the block size, against a shadow copy. */
 START_TEST (unaligned_requests)
@@ -2306,6 +2335,7 @@ request_suite (void)
   ADD (detach_waits_for_writes_that_saw_dirty);
   ADD (writethrough_caches_writes);
   ADD (fills_run_without_drain);
+  ADD (flush_leaves_idle_fill_workers_asleep);
   ADD (flush_covers_what_returned);
   ADD (export_flush_only_after_a_change);
   ADD (unaligned_requests);
