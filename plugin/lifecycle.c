@@ -547,6 +547,11 @@ struct req_settings {
   uint64_t cutoff;
   enum bcf_sequential_bypass seq_bypass;
   unsigned congested_read_us, congested_write_us;
+  /* The writeback knobs, where they were changed at run time (wb_set;
+   * else the parameters' go in through bcf_req_opts). */
+  bool wb_set;
+  unsigned wb_percent, wb_delay, wb_update_seconds;
+  bool wb_running, copy_gc;
 };
 
 /* The settings as the parameters give them, before any change at run
@@ -555,9 +560,51 @@ static struct req_settings
 configured_settings (void)
 {
   return (struct req_settings) {
-    cfg.mode, (uint64_t) cfg.cutoff, cfg.seq_bypass,
-    cfg.congested_read_us, cfg.congested_write_us,
+    .mode = cfg.mode, .cutoff = (uint64_t) cfg.cutoff,
+    .seq_bypass = cfg.seq_bypass,
+    .congested_read_us = cfg.congested_read_us,
+    .congested_write_us = cfg.congested_write_us,
   };
+}
+
+/* The settings of the open request layer r, as the control socket may
+ * have changed them. */
+static struct req_settings
+current_settings (struct bcf_req *r)
+{
+  struct req_settings s = configured_settings ();
+  struct bcf_cache_stats cs;
+  struct bcf_req_stats st;
+
+  bcf_cache_stats (cache, &cs);
+  bcf_req_get_stats (r, &st);
+  s.mode = bcf_req_mode (r);
+  s.cutoff = bcf_req_sequential_cutoff (r);
+  s.seq_bypass = bcf_req_sequential_bypass (r);
+  s.congested_read_us = cs.congested_read_threshold_us;
+  s.congested_write_us = cs.congested_write_threshold_us;
+  s.wb_set = st.writeback_update_seconds != 0;     /* a writeback thread */
+  s.wb_percent = st.writeback_percent;
+  s.wb_delay = st.writeback_delay;
+  s.wb_update_seconds = st.writeback_update_seconds;
+  s.wb_running = st.writeback_running;
+  s.copy_gc = st.copy_gc_enabled;
+  return s;
+}
+
+/* Give the new request layer the writeback knobs s carries. */
+static int
+apply_writeback_settings (struct bcf_req *r, const struct req_settings *s)
+{
+  if (!s->wb_set)
+    return 0;
+  if (bcf_req_set_writeback_percent (r, s->wb_percent) < 0 ||
+      bcf_req_set_writeback_delay (r, s->wb_delay) < 0 ||
+      bcf_req_set_writeback_update_seconds (r, s->wb_update_seconds) < 0 ||
+      bcf_req_set_writeback_running (r, s->wb_running) < 0 ||
+      bcf_req_set_copy_gc (r, s->copy_gc) < 0)
+    return -1;
+  return 0;
 }
 
 /* Open the cache for an export of size bytes whose identity is uuid
@@ -630,6 +677,11 @@ open_engine (const uint8_t uuid[16], uint64_t size,
   }
   if (cfg.test_no_tracker)
     bcf_req_test_disable_tracker (req, true);
+  if (apply_writeback_settings (req, s) < 0) {
+    nbdkit_error ("bcachefilter: the writeback settings made through the "
+                  "control socket could not be kept");
+    goto fail;
+  }
   if ((r = bcf_cache_start_threads (cache)) < 0) {
     nbdkit_error ("bcachefilter: starting the cache threads: %s",
                   strerror (-r));
@@ -856,19 +908,10 @@ first_connection (const struct bcf_backing *b, uint64_t size)
     return 0;                   /* opened in .after_fork for this export */
   r = probe_backing_device (b);
   if (r == 0) {
-    struct req_settings s = configured_settings ();
+    struct req_settings s;
 
     pthread_rwlock_wrlock (&state_lock);
-    if (req) {
-      struct bcf_cache_stats cs;
-
-      bcf_cache_stats (cache, &cs);
-      s.mode = bcf_req_mode (req);
-      s.cutoff = bcf_req_sequential_cutoff (req);
-      s.seq_bypass = bcf_req_sequential_bypass (req);
-      s.congested_read_us = cs.congested_read_threshold_us;
-      s.congested_write_us = cs.congested_write_threshold_us;
-    }
+    s = req ? current_settings (req) : configured_settings ();
     close_engine ();
     r = open_engine (cfg.uuid, size, BCF_FORMAT_NEVER, &s);
     if (r == 0 && bdev && attach_backing_device (b) < 0) {

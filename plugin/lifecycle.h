@@ -31,7 +31,8 @@
  *     0: the control socket works, no request can be served), and the
  *     first connection's .prepare attaches it to its export: close and
  *     open again with the export's identity and size, which claims uuid
- *     slot 0 (core/super.c).  Other connections wait for that in their
+ *     slot 0 (core/super.c), keeping what the control socket set
+ *     meanwhile (current_settings).  Other connections wait for that in their
  *     .prepare.  A failure there shuts the server down, with the reason
  *     in the log;
  *   - a bcache backing device is known only from the export itself: with

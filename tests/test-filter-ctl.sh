@@ -16,7 +16,10 @@
 #  - three idle connections held open do not delay stats (under 1 s),
 #    and 300 simultaneous connects are all answered, none refused;
 #  - after all that the data is right, and the proxy stops cleanly (the
-#    socket is removed).
+#    socket is removed);
+#  - settings made through the socket before the first connection are
+#    still in effect after it (the cache is opened again for its export
+#    then).
 
 source "$(dirname "$0")/functions.sh"
 source "$(dirname "$0")/filter/common.sh"
@@ -243,6 +246,34 @@ nbdio "$p_sock" dump "$d/dump"
 cmp "$d/dump" "$d/expect" || fail "wrong data through the proxy"
 stop_nbdkit "$p_pid"
 test ! -e "$ctl" || fail "the control socket was left behind after a clean stop"
+
+# Settings made before the first connection outlive it: a new cache is
+# opened again for its export at the first connection (lifecycle.c's
+# first_connection), and the writeback knobs set through the socket
+# meanwhile were lost there (the thread came back running, at 10 %).
+ctl2="$d/ctl2"
+start_proxy q bcache="$d/cache2" bcache-size=64M bcache-ctl="$ctl2" \
+    bcache-mode=writeback
+wait_ctl "$ctl2"
+C2 () { bcachefilter-ctl -s "$ctl2" "$@"; }
+C2 set writeback_running 0
+C2 set writeback_percent 37
+C2 set writeback_delay 7
+C2 set writeback_rate_update_seconds 9
+C2 set copy_gc_enabled 0
+C2 set sequential_cutoff 3M
+head -c 64K /dev/urandom > "$d/piece"
+nbdio "$q_sock" wfile 0 "$d/piece"
+for kv in writeback_running=0 writeback_percent=37 writeback_delay=7 \
+          writeback_rate_update_seconds=9 copy_gc_enabled=0 \
+          sequential_cutoff=3145728 cache_mode=writeback; do
+    got="$(ctl_stat "$ctl2" "${kv%%=*}")"
+    test "$got" = "${kv#*=}" ||
+        fail "${kv%%=*} is $got after the first connection, not ${kv#*=} as set before it"
+done
+test "$(ctl_stat "$ctl2" dirty_data)" -gt 0 ||
+    fail "the write is not dirty in the cache (writeback_running 0)"
+stop_nbdkit "$q_pid"
 
 # Relative paths with nbdkit in the background, where it changes to /
 # when it forks: the cache and the control socket are made where they
