@@ -547,8 +547,13 @@ struct req_settings {
   uint64_t cutoff;
   enum bcf_sequential_bypass seq_bypass;
   unsigned congested_read_us, congested_write_us;
-  /* The writeback knobs, where they were changed at run time (wb_set;
-   * else the parameters' go in through bcf_req_opts). */
+  /* The writeback knobs of a request layer being replaced, as the
+   * control socket may have changed them (wb_set: it ran a writeback
+   * thread); else the parameters' go in through bcf_req_opts.  They are
+   * applied just after the new thread starts, before any client request:
+   * a thread that wakes before them (a backing device's cache can hold
+   * dirty data) starts at most one batch as the parameters say, as if
+   * the setting had come a moment later. */
   bool wb_set;
   unsigned wb_percent, wb_delay, wb_update_seconds;
   bool wb_running, copy_gc;
