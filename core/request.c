@@ -713,8 +713,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
                   : o->writeback_delay;
     if (o->copy_gc_off)
       t.copy_gc = false;
-    t.copy_gc_above = (r->all_sync ? BCF_WB_CUTOFF_SYNC : BCF_WB_CUTOFF)
-                      - BCF_WB_MOVE_MARGIN;
+    t.writes_cutoff = r->all_sync ? BCF_WB_CUTOFF_SYNC : BCF_WB_CUTOFF;
     if (bcf_writeback_set_tunables (r->wb, &t) < 0 ||
         bcf_writeback_start (r->wb) < 0) {
       bcf_req_free (r);

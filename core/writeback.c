@@ -644,7 +644,7 @@ gc_after_cleaning_locked (struct bcf_writeback *wb, bool all_clean)
 /* Moving GC (movinggc.c) between two batches, when no run is registered
  * (movinggc.c's point 5), in writeback mode with copy_gc_enabled, while
  * the buckets counted in use are within BCF_WB_MOVE_MARGIN of the
- * cutoff the writes meet first (copy_gc_above: cutoff_writeback_sync
+ * cutoff the writes meet first (writes_cutoff: cutoff_writeback_sync
  * when every write counts as bcache's REQ_SYNC, else cutoff_writeback)
  * and the dirty data fills at most BCF_MOVE_FILL_MAX_PERCENT of the
  * buckets marked dirty (bcf_move_dirty's own rule per bucket, here on
@@ -671,10 +671,9 @@ move_between_batches_locked (struct bcf_writeback *wb)
   uint64_t budget;
 
   if (!wb->t.writeback || !wb->t.copy_gc || passes == wb->moved_at_gc ||
-      in_use <= wb->t.copy_gc_above)
+      in_use + BCF_WB_MOVE_MARGIN <= wb->t.writes_cutoff)
     return;
-  budget = bcf_wb_move_budget (capacity, in_use,
-                               wb->t.copy_gc_above + BCF_WB_MOVE_MARGIN);
+  budget = bcf_wb_move_budget (capacity, in_use, wb->t.writes_cutoff);
   bcf_cache_stats (wb->c, &cs);
   dirty_buckets_sectors = cs.buckets_dirty * (cs.bucket_bytes >> 9);
   if ((bcf_cache_dirty_bytes (wb->c) >> 9) * 100 >
@@ -820,7 +819,7 @@ bcf_writeback_new (struct bcf_cache *c, struct bcf_bypass *tracker,
   wb->t = (struct bcf_writeback_tunables) {
     .writeback = !drain, .running = true, .percent = 10, .delay_s = 30,
     .update_seconds = BCF_WB_UPDATE_SECONDS, .copy_gc = true,
-    .copy_gc_above = BCF_WB_CUTOFF_SYNC - BCF_WB_MOVE_MARGIN,
+    .writes_cutoff = BCF_WB_CUTOFF_SYNC,
   };
   wb->capacity_sectors = bcf_cache_capacity_bytes (c) >> 9;
   wb->moved_at_gc = UINT64_MAX;         /* none yet */

@@ -91,9 +91,11 @@ struct bcf_writeback_tunables {
   unsigned update_seconds;      /* writeback_rate_update_seconds */
   bool copy_gc;                 /* copy_gc_enabled: moving GC between
                                    batches (bcache's, off there) */
-  unsigned copy_gc_above;       /* ... while the buckets in use are
-                                   past this % (the cutoff the writes
-                                   meet first, less BCF_WB_MOVE_MARGIN) */
+  unsigned writes_cutoff;       /* the cutoff the writes meet first
+                                   (cutoff_writeback_sync where every
+                                   write is sync, else cutoff_writeback):
+                                   moving GC runs from
+                                   BCF_WB_MOVE_MARGIN below it */
 };
 
 struct bcf_writeback_stats {
