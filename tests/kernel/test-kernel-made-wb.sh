@@ -113,7 +113,7 @@ touch "$d/wfail"
 start_remote --filter=error file "$d/poisoned.img" \
     error-pwrite=EIO error-pwrite-rate=1 error-pwrite-file="$d/wfail"
 start_proxy p bcache="$d/fcache.img" bcache-format=never bcache-mode=none \
-    bcache-sequential-cutoff=0 bcache-ctl="$d/ctl"
+    "${cache_all[@]}" bcache-ctl="$d/ctl"
 test "$(nbdio "$p_sock" size)" = "$data" || fail "not the data region"
 test "$(ctl_stat "$d/ctl" dirty_data)" = $((written * 512)) ||
     fail "the filter does not count the kernel's $written dirty sectors"

@@ -85,7 +85,7 @@ bcachesb poison "$d/poisoned.img" 0xA5
 cp --sparse=always "$c" "$d/fcache.img"
 start_remote file "$d/poisoned.img"
 start_proxy p bcache="$d/fcache.img" bcache-format=never bcache-mode=none \
-    bcache-sequential-cutoff=0 bcache-ctl="$d/ctl"
+    "${cache_all[@]}" bcache-ctl="$d/ctl"
 test "$(nbdio "$p_sock" size)" = "$data" || fail "not the data region"
 kcheck dump "$p_uri" "$d/filter.img"
 bcachefilter-ctl -s "$d/ctl" stats | sed -n '/^\[total\]/,/^\[/p' |
@@ -112,7 +112,7 @@ kcheck cached "$d/btree.json" --sectors $((data / 512 + 16)) \
 cp --sparse=always "$c" "$d/fcache.img"
 start_remote file "$d/all-poisoned.img"
 start_proxy p bcache="$d/fcache.img" bcache-format=never bcache-mode=none \
-    bcache-sequential-cutoff=0 bcache-backing-device=never \
+    "${cache_all[@]}" bcache-backing-device=never \
     bcache-backing-uuid="$buuid"
 test "$(nbdio "$p_sock" size)" = $((data + 8192)) || fail "not the whole device"
 kcheck dump "$p_uri" "$d/filter-whole.img"

@@ -48,7 +48,7 @@ dd if="$img" of="$d/mirror.img" bs=8192 skip=1 status=none
 # 1. The filter's turn: everything the client writes stays dirty.
 start_remote file "$img"
 start_proxy p bcache="$c" bcache-size=256M bcache-bucket-size=64K \
-    bcache-mode=writeback bcache-sequential-cutoff=0 bcache-ctl="$d/ctl"
+    bcache-mode=writeback "${cache_all[@]}" bcache-ctl="$d/ctl"
 test "$(nbdio "$p_sock" size)" = "$data" || fail "not the data region"
 bcachefilter-ctl -s "$d/ctl" set writeback_running 0
 test "$(bcachesb show "$img" state)" = dirty ||
@@ -141,7 +141,7 @@ echo "dirty after the kernel: $left"
 test "$(cat "$d/dirty.after.json")" = "[]" || fail "dirty keys are left: $left"
 start_remote file "$img"
 start_proxy p bcache="$d/vmcache.img" bcache-format=never \
-    bcache-mode=none bcache-sequential-cutoff=0
+    bcache-mode=none "${cache_all[@]}"
 kcheck dump "$p_uri" "$d/filter.img"
 stop_nbdkit "$p_pid"
 stop_nbdkit "$remote_pid"
