@@ -45,8 +45,9 @@
 #   and in how many rounds the forced-GC run met issue 15's bounds: a
 #   single run's maximum follows single slow device writes and the
 #   proxy's own maximum (stop 23 saw 0.95 x and 11.94 x the proxy with the
-#   same code within half an hour).  Round r runs fio with --randseed=r:
-#   the front ends of a round see the same offsets, the rounds others.
+#   same code within half an hour).  Round r runs fio with --randrepeat=0
+#   --randseed=r: the front ends of a round see the same offsets, the
+#   rounds others.
 #
 # USAGE
 #   bench/gc-stall.sh                            # KEYS=250k, 30 s per run
@@ -220,10 +221,11 @@ for j in $JOBS; do
         fi
         # --randseed: every front end of a round gets the same offsets,
         # and every round others (fio's default seed is fixed: round 2
-        # would re-read and re-write what round 1 cached).
+        # would re-read and re-write what round 1 cached).  fio 3.33
+        # ignores it unless --randrepeat=0; with both it repeats.
         # shellcheck disable=SC2046
         run_fio "$name" "${SOCK[$c]}" "$OUTDIR/$name.json" $(job_args "$j") \
-            --randseed="$rep" \
+            --randrepeat=0 --randseed="$rep" \
             --size="$EXPORT_BYTES" --norandommap --time_based \
             --runtime="$DURATION" --unified_rw_reporting=mixed \
             --write_lat_log="$OUTDIR/$name" --log_avg_msec=1000 \
