@@ -651,6 +651,17 @@ bcf_req_drain (struct bcf_req *r)
 
 /* ---- life cycle ------------------------------------------------------------------- */
 
+/* The cutoff a write that is not FUA meets first in writeback mode
+ * (bcache's should_writeback): cutoff_writeback_sync where every write
+ * counts as REQ_SYNC (r->all_sync), else cutoff_writeback.  The one
+ * rule for should_write_back and for the writeback thread's moving GC,
+ * which must free buckets before the writes meet it. */
+static unsigned
+writes_cutoff (const struct bcf_req *r)
+{
+  return r->all_sync ? BCF_WB_CUTOFF_SYNC : BCF_WB_CUTOFF;
+}
+
 struct bcf_req *
 bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
 {
@@ -713,7 +724,7 @@ bcf_req_new (struct bcf_cache *c, const struct bcf_req_opts *o)
                   : o->writeback_delay;
     if (o->copy_gc_off)
       t.copy_gc = false;
-    t.writes_cutoff = r->all_sync ? BCF_WB_CUTOFF_SYNC : BCF_WB_CUTOFF;
+    t.writes_cutoff = writes_cutoff (r);
     if (bcf_writeback_set_tunables (r->wb, &t) < 0 ||
         bcf_writeback_start (r->wb) < 0) {
       bcf_req_free (r);
@@ -1939,6 +1950,7 @@ should_write_back (struct bcf_req *r, bool bypass, bool fua, struct span s,
                    int *dirty)
 {
   unsigned in_use = r->wb ? bcf_writeback_in_use (r->wb) : 0;
+  unsigned cutoff = writes_cutoff (r);
 
   if (atomic_load (&r->mode) != BCF_MODE_WRITEBACK ||
       atomic_load (&r->failing) || detaching (r))
@@ -1947,8 +1959,9 @@ should_write_back (struct bcf_req *r, bool bypass, bool fua, struct span s,
     atomic_fetch_add (&r->wb_cutoff_writes, 1);
     return false;
   }
-  if (!bypass && (fua || r->all_sync ||
-                  !past_cutoff (r, in_use, BCF_WB_CUTOFF)))
+  /* (The sync cutoff is the one just checked.) */
+  if (!bypass && (fua || cutoff == BCF_WB_CUTOFF_SYNC ||
+                  !past_cutoff (r, in_use, cutoff)))
     return true;
   if (*dirty < 0)
     *dirty = span_dirty (r, s);
