@@ -30,6 +30,10 @@
 #     bcachefilter (GC forced every GC_EVERY s with bcachefilter-ctl
 #     trigger-gc for the whole run).
 #   Both bcachefilter runs are on the same pre-filled cache (one front end).
+#   Before every run (and pre-fill) the host's dirty pages are written
+#   back (bench-lib.sh's settle_disk; how much there was goes to
+#   settle.tsv): the cache filter's temporary file is never synced, and
+#   its writeback would otherwise land in the next front end's run.
 #
 #   Per run: IOPS (read + write), p50 / p99 / max completion latency
 #   (fio's unified mixed statistics), the worst second (the largest
@@ -181,6 +185,7 @@ bstats() {                      # bstats FILE
 # ---- pre-fill -----------------------------------------------------------------
 for c in cachefilter bcachefilter; do
     [[ -n ${SOCK[$c]:-} ]] || continue
+    settle_disk "prefill.$c"
     say "pre-fill $c: $(( PREFILL_BYTES / 4096 )) random 4 KiB reads at QD16"
     t0=$(date +%s.%N)
     run_fio prefill "${SOCK[$c]}" "$OUTDIR/prefill.$c.json" \
@@ -207,6 +212,7 @@ for j in $JOBS; do
     for c in $CONFIGS; do
         name=$c.$j
         if (( REPEAT > 1 )); then name=$name.r$rep; fi
+        settle_disk "$name"
         say "run $name: ${DURATION}s"
         gcpid=
         if [[ $c == bcachefilter ]]; then
