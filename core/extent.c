@@ -903,7 +903,10 @@ write_pieces (struct bcf_cache *c, uint64_t s, uint64_t e, const void *data,
     r = alloc_pieces (c, s, e, src, dirty, ptr, segs, &got);
   /* 2. Write them all. */
   if (r == 0) {
+    const uint64_t t0 = bcf_now_ns ();
+
     bcf_io_submit (c->io, segs, n);
+    bcf_time_record (c, &c->stats.cache_write, bcf_now_ns () - t0);
     for (i = 0; i < n && r == 0; i++)
       r = segs[i].result;
   }

@@ -285,6 +285,9 @@ struct getter {
   X (intent_mark, TIME, NS, ENGINE, 0, TIME (cache.intent_mark), N_CACHE,   \
      "How long marking a write-intent region durably took (the write "      \
      "that needed it waited).")                                             \
+  X (cache_write, TIME, NS, ENGINE, 0, TIME (cache.cache_write), N_CACHE,   \
+     "How long each write of a request's data to the cache device took "   \
+     "(the request waited for it).")                                        \
   X (tracker_bytes, GAUGE, BYTES, ENGINE, 0, U64 (req.bypass_bytes_now),    \
      N_REQ, "Memory of the in-flight write tracker now.")                   \
   X (tracker_peak_bytes, GAUGE, BYTES, ENGINE, 0,                           \

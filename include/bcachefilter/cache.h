@@ -598,6 +598,9 @@ struct bcf_cache_stats {
    * (the superblock's feature bit when it was off, the mark's journal
    * write), which the write that needed it waited. */
   struct bcf_time_stat intent_mark;
+  /* Each write of a request's data to the cache device (the pieces of
+   * one write, submitted together), which the request waited for. */
+  struct bcf_time_stat cache_write;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
   /* Moving GC (bcf_move_dirty): runs, dirty extents moved and their
    * bytes, and extents a write, invalidation or clean mark changed

@@ -375,6 +375,7 @@ START_TEST (test_intent_feature_bit)
     ck_assert (w.intent);
     bcf_cache_stats (f.c, &st);
     ck_assert_uint_eq (st.intent_mark.count, st0.intent_mark.count + 1);
+    ck_assert_uint_eq (st.cache_write.count, st0.cache_write.count + 1);
     ck_assert_msg (disk_intent_bit (f.path, &version),
                    "round %d: a region is marked, the superblock on disk "
                    "has no write-intent bit", round);
