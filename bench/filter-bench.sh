@@ -91,7 +91,14 @@
 #     writes   (not in the default set) 4 KiB random writes with a flush
 #              every 32 (fio --fsync=32: NBD_CMD_FLUSH), COLD: a VM's
 #              filesystem.  Writeback acknowledges from the cache; the
-#              flushes make its journal durable.
+#              flushes make its journal durable.  fio sends more flushes
+#              than that at depth 16: after the 32nd write one into every
+#              slot that frees up until a flush completes, so the slower
+#              the flush the more of them (docs/BENCHMARKS.md).
+#     fswrites (not in the default set) the same writes with exactly one
+#              flush per 32 writes submitted, the others going on while it
+#              is outstanding: bench/nbd-writes (libnbd), at IODEPTH, COLD.
+#              What issue 14 defines as `writes`.
 #   Every (config, workload) pair gets a freshly started front end.  The
 #   runs go workload by workload, all configs back to back, so that the
 #   runs a ratio compares are close in time on a shared host; one remote
@@ -156,7 +163,7 @@
 #              file filepc qemunbd (default: all but bcachefilter-je)
 #   JEMALLOC   the library bcachefilter-je preloads (default
 #              libjemalloc.so.2)
-#   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw writes (default:
+#   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw writes fswrites (default:
 #              the first four, the first issue's)
 #   REPEAT     runs per (config, workload), the table shows the median
 #              (default 1).  For hits the warm-up is done once.
@@ -165,6 +172,8 @@
 #   BCACHE_ARGS extra bcachefilter parameters, e.g.
 #              "bcache-io=sync" or "bcache-sequential-cutoff=0" (for every
 #              bcachefilter config)
+#   NBD_WRITES bench/nbd-writes for fswrites (default: next to BCTL's
+#              tools/, in ../bench/)
 #   BCTL       path of bcachefilter-ctl (default /tmp/b-bench/tools/
 #              bcachefilter-ctl).  If it is executable, the filter gets
 #              bcache-ctl=$WORKDIR/ctl.sock and its stats (--json) are saved
@@ -227,10 +236,15 @@ for c in $CONFIGS; do
         die "unknown config '$c' ($ALL_CONFIGS)"
 done
 for w in $WORKLOADS; do
-    case $w in hits|zipf|randrw|seqread|mixed|rmw|writes) ;;
-    *) die "unknown workload '$w' (hits zipf randrw seqread mixed rmw writes)" ;;
+    case $w in hits|zipf|randrw|seqread|mixed|rmw|writes|fswrites) ;;
+    *) die "unknown workload '$w' (hits zipf randrw seqread mixed rmw writes fswrites)" ;;
     esac
 done
+NBD_WRITES=${NBD_WRITES:-$(dirname "$BCTL")/../bench/nbd-writes}
+if [[ " $WORKLOADS " == *" fswrites "* ]]; then
+    [[ -x $NBD_WRITES ]] ||
+        die "fswrites needs bench/nbd-writes (make in the build tree; NBD_WRITES=$NBD_WRITES)"
+fi
 has_config() { [[ " $CONFIGS " == *" $1 "* ]]; }
 drop_config() {                 # drop_config NAME WHY: skip it, with a warning
     local c keep=()
@@ -416,6 +430,20 @@ run_fio() {
     (( rc == 0 )) || die "fio failed ($name, status $rc); see $json"
 }
 
+# run_nbd_writes NAME JSON: the fswrites job, fio's JSON from nbd-writes
+run_nbd_writes() {
+    local name=$1 json=$2
+    local cmd=("$NBD_WRITES" --depth "$IODEPTH" --flush-every 32 --bs 4096
+               --runtime "$RUNTIME" --json "$json" "$(uri "$FRONT_SOCK")")
+    echo "${cmd[*]}" >>"$OUTDIR/commands.txt"
+    "${cmd[@]}" 2>>"$OUTDIR/$name.nbd-writes.log" &
+    local pid=$! rc=0
+    PIDS+=("$pid")
+    wait "$pid" || rc=$?
+    stop_pid "$pid"
+    (( rc == 0 )) || die "nbd-writes failed ($name, status $rc); see $OUTDIR/$name.nbd-writes.log"
+}
+
 workload_args() {               # the measured job of each workload
     case $1 in
     hits)    echo "--rw=randread --bs=4k --norandommap --time_based --runtime=$RUNTIME" ;;
@@ -459,8 +487,12 @@ measure() {                     # measure CONFIG WORKLOAD REP
     local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1 d0 d1 dreads= h0 h1
     c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID"); d0=$(dev_reads)
     h0=$(host_ticks)
-    # shellcheck disable=SC2046
-    run_fio "$wl" "$json" $(workload_args "$wl")
+    if [[ $wl == fswrites ]]; then
+        run_nbd_writes "$cfg.$wl.$rep" "$json"
+    else
+        # shellcheck disable=SC2046
+        run_fio "$wl" "$json" $(workload_args "$wl")
+    fi
     h1=$(host_ticks)
     c1=$(cpu_ticks "$cpid"); r1=$(cpu_ticks "$REMOTE_PID"); d1=$(dev_reads)
     if [[ -n $d0 && -n $d1 ]]; then dreads=$(( d1 - d0 )); fi
@@ -607,6 +639,12 @@ if any(w == "writes" for _, w in runs):
     for c in order_c:
         if (c, "writes") in runs:
             print(f"| {c} | {n(med(c,'writes','wiops'))} ({med(c,'writes','wp50'):.2f}/{med(c,'writes','wp99'):.2f}) |")
+if any(w == "fswrites" for _, w in runs):
+    print("\n| config | fswrites: 4k random writes, exactly one flush per 32 (nbd-writes), IOPS (write p50/p99 ms) |")
+    print("|---|---:|")
+    for c in order_c:
+        if (c, "fswrites") in runs:
+            print(f"| {c} | {n(med(c,'fswrites','wiops'))} ({med(c,'fswrites','wp50'):.2f}/{med(c,'fswrites','wp99'):.2f}) |")
 if any(w == "mixed" for _, w in runs):
     print("\n| config | mixed: zipf 70/30 4k cold, IOPS read+write (read p50/p99, write p50/p99 ms) |")
     print("|---|---:|")
@@ -639,6 +677,9 @@ targets = [("hits",   "riops", "bcachefilter",    "file",    0.90, "4k hit IOPS 
            ("writes", "wiops", "bcachefilter-wb", "proxy",   3.00, "writeback: 4k random writes, a flush every 32, vs the pass-through proxy"),
            ("writes", "wiops", "bcachefilter-wb", "cachefilter", 1.00, "writeback: 4k random writes, a flush every 32, vs nbdkit's cache filter"),
            ("writes", "wiops", "bcachefilter",    "proxy",   None, "writethrough: 4k random writes, a flush every 32, vs the pass-through proxy"),
+           ("fswrites", "wiops", "bcachefilter-wb", "proxy", 3.00, "writeback: 4k random writes, exactly one flush per 32, vs the pass-through proxy"),
+           ("fswrites", "wiops", "bcachefilter-wb", "cachefilter", 1.00, "writeback: 4k random writes, exactly one flush per 32, vs nbdkit's cache filter"),
+           ("fswrites", "wiops", "bcachefilter",  "proxy",   None, "writethrough: 4k random writes, exactly one flush per 32, vs the pass-through proxy"),
            ("mixed",  "iops",  "bcachefilter-wb", "bcachefilter", 1.50, "zipf 70/30 cold: writeback vs writethrough, total IOPS"),
            # no target: nbdkit under LD_PRELOAD=jemalloc vs glibc's malloc
            ("hits",   "riops", "bcachefilter-je", "bcachefilter", None, "4k hit IOPS: nbdkit under jemalloc vs glibc's malloc"),
