@@ -627,24 +627,18 @@ for c in order_c:
     print(f"| {c} | " + " | ".join(cells) + " |")
 if repeat > 1:
     print(f"\n(median of {repeat} runs each)")
-if any(w == "rmw" for _, w in runs):
-    print("\n| config | rmw: 4k random writes to warm blocks, IOPS (write p50/p99 ms) |")
+def write_table(wl, what):
+    """The write-only workloads: write IOPS and write p50/p99 per config."""
+    if not any(w == wl for _, w in runs):
+        return
+    print(f"\n| config | {wl}: {what}, IOPS (write p50/p99 ms) |")
     print("|---|---:|")
     for c in order_c:
-        if (c, "rmw") in runs:
-            print(f"| {c} | {n(med(c,'rmw','wiops'))} ({med(c,'rmw','wp50'):.2f}/{med(c,'rmw','wp99'):.2f}) |")
-if any(w == "writes" for _, w in runs):
-    print("\n| config | writes: 4k random writes, a flush every 32, IOPS (write p50/p99 ms) |")
-    print("|---|---:|")
-    for c in order_c:
-        if (c, "writes") in runs:
-            print(f"| {c} | {n(med(c,'writes','wiops'))} ({med(c,'writes','wp50'):.2f}/{med(c,'writes','wp99'):.2f}) |")
-if any(w == "fswrites" for _, w in runs):
-    print("\n| config | fswrites: 4k random writes, exactly one flush per 32 (nbd-writes), IOPS (write p50/p99 ms) |")
-    print("|---|---:|")
-    for c in order_c:
-        if (c, "fswrites") in runs:
-            print(f"| {c} | {n(med(c,'fswrites','wiops'))} ({med(c,'fswrites','wp50'):.2f}/{med(c,'fswrites','wp99'):.2f}) |")
+        if (c, wl) in runs:
+            print(f"| {c} | {n(med(c,wl,'wiops'))} ({med(c,wl,'wp50'):.2f}/{med(c,wl,'wp99'):.2f}) |")
+write_table("rmw", "4k random writes to warm blocks")
+write_table("writes", "4k random writes, a flush every 32")
+write_table("fswrites", "4k random writes, exactly one flush per 32 (nbd-writes)")
 if any(w == "mixed" for _, w in runs):
     print("\n| config | mixed: zipf 70/30 4k cold, IOPS read+write (read p50/p99, write p50/p99 ms) |")
     print("|---|---:|")
