@@ -692,8 +692,9 @@ struct bcf_cache {
     /* Each write-intent region made durably marked (intent.c's
      * region_enter): what the write that needed it waited. */
     struct bcf_time_stat intent_mark;
-    /* Each write of a request's data to the device (extent.c's
-     * write_pieces): what the request waited for the device. */
+    /* Each write of a request's data to the device: what the request
+     * waited for it (extent.c's write_pieces; bcf_write_over_end, where
+     * it ran beside the backing write, only what remained after that). */
     struct bcf_time_stat cache_write;
     atomic_uint_fast64_t gc_slice_nodes_last, gc_slice_nodes_max;
     atomic_uint_fast64_t gc_slices_busy;

@@ -1248,8 +1248,11 @@ bcf_write_over_end (struct bcf_cache *c, struct bcf_write *w, int backing,
                     bool *device_failed)
 {
   struct durability d = { .marked = true };
+  const uint64_t t0 = bcf_now_ns ();
   int r = bcf_io_finish (&w->io->pending);
 
+  /* What the write waited for the device beyond its backing write. */
+  bcf_time_record (c, &c->stats.cache_write, bcf_now_ns () - t0);
   *device_failed = r < 0;
   for (unsigned i = 0; r == 0 && backing == 0 && i < w->npieces; i++) {
     struct ckey k = write_piece (c, w, i, false);

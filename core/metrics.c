@@ -286,8 +286,8 @@ struct getter {
      "How long marking a write-intent region durably took (the write "      \
      "that needed it waited).")                                             \
   X (cache_write, TIME, NS, ENGINE, 0, TIME (cache.cache_write), N_CACHE,   \
-     "How long each write of a request's data to the cache device took "   \
-     "(the request waited for it).")                                        \
+     "How long each write waited for its data's write to the cache "      \
+     "device (beyond its export write, where the two run side by side).")  \
   X (tracker_bytes, GAUGE, BYTES, ENGINE, 0, U64 (req.bypass_bytes_now),    \
      N_REQ, "Memory of the in-flight write tracker now.")                   \
   X (tracker_peak_bytes, GAUGE, BYTES, ENGINE, 0,                           \

@@ -599,7 +599,9 @@ struct bcf_cache_stats {
    * write), which the write that needed it waited. */
   struct bcf_time_stat intent_mark;
   /* Each write of a request's data to the cache device (the pieces of
-   * one write, submitted together), which the request waited for. */
+   * one write, submitted together): how long the request waited for it
+   * (a write over clean data writes beside its export write: only the
+   * wait after that). */
   struct bcf_time_stat cache_write;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
   /* Moving GC (bcf_move_dirty): runs, dirty extents moved and their

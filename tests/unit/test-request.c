@@ -564,6 +564,21 @@ START_TEST (write_over_clean_fails)
   pattern (old, sizeof old, 0x51);
   pattern (new, sizeof new, 0x52);
   warm_range (&f, old, sizeof old, off);
+  {
+    /* First one that succeeds: its wait for the device beside the
+     * backing write is a cache_write. */
+    struct bcf_cache_stats st0, st1;
+    struct bcf_req_stats rs0, rs1;
+
+    bcf_cache_stats (f.c, &st0);
+    bcf_req_get_stats (f.r, &rs0);
+    ck_assert_int_eq (bcf_req_write (f.r, &f.b, old, sizeof old, off, false),
+                      0);
+    bcf_cache_stats (f.c, &st1);
+    bcf_req_get_stats (f.r, &rs1);
+    ck_assert_uint_eq (rs1.write_inserts, rs0.write_inserts + 1);
+    ck_assert_uint_eq (st1.cache_write.count, st0.cache_write.count + 1);
+  }
   fail = mem_backing_fail_range (f.mb, MEM_BACKING_WRITE, off, sizeof new,
                                  EIO);
   ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
