@@ -29,9 +29,7 @@
  *      export if any of those changes is not flushed yet (the export
  *      barrier, cache.c: a clean key says the export has the data
  *      durably), flush the device (data before the keys that point at
- *      it), write the buffers, flush (children before parents), and
- *      within a level flush every CKPT_FLUSH_BYTES (below: what that
- *      bound is for);
+ *      it), write the buffers, flush (children before parents);
  *   3. write the sealed entry, if it is not yet, as any other (the old
  *      root); then a journal entry carrying the new root and last_seq =
  *      the sealed entry + 1, and wait for it: from then on recovery
@@ -1549,23 +1547,9 @@ cmp_level (const void *a, const void *b)
   return (int) x->level - (int) y->level;
 }
 
-/* The node bytes a checkpoint writes between two device flushes, within
- * a level as between levels.  Not for ordering (the flush after each
- * level is that), but for the writes that wait for a flush meanwhile:
- * every journal write flushes the device, and a flush makes durable all
- * that was written before it.  After a GC pass a checkpoint rewrites
- * whole nodes, tens of MB at 5M keys; unbounded, a journal write in the
- * middle of that waited 117 ms (gc-stall, stop 35), and every write
- * waiting for it with it.  With the bound a flush meets at most this
- * much of the checkpoint's data: 2 MiB, a few ms of device writeback;
- * the cost is one flush per 2 MiB in a checkpoint, off the lock. */
-#define CKPT_FLUSH_BYTES ((size_t) 2 << 20)
-
 int
 btree_checkpoint (struct bcf_cache *c)
 {
-  const size_t flush_bytes = c->test_ckpt_flush_bytes ?
-                             c->test_ckpt_flush_bytes : CKPT_FLUSH_BYTES;
   struct ckpt ck = { 0 };
   struct ckey root = { 0 };
   unsigned root_level = 0, level;
@@ -1620,26 +1604,17 @@ btree_checkpoint (struct bcf_cache *c)
   for (i = 0; i < ck.nw && r == 0; i = j) {
     struct bcf_io_seg segs[64];
     unsigned n = 0;
-    size_t unflushed = 0;
 
     level = ck.w[i].level;
     for (j = i; j < ck.nw && ck.w[j].level == level; j++) {
-      const bool level_ends = j + 1 == ck.nw || ck.w[j + 1].level != level;
-
       segs[n++] = (struct bcf_io_seg) {
         .op = BCF_IO_WRITE, .buf = ck.w[j].buf, .len = ck.w[j].len,
         .off = ck.w[j].off,
       };
-      unflushed += ck.w[j].len;
-      if (n == 64 || level_ends || unflushed >= flush_bytes) {
+      if (n == 64 || j + 1 == ck.nw || ck.w[j + 1].level != level) {
         if ((r = bcf_io_submit (c->io, segs, n)) < 0)
           break;
         n = 0;
-      }
-      if (unflushed >= flush_bytes && !level_ends) {
-        if ((r = bcf_io_flush (c->io)) < 0)
-          break;
-        unflushed = 0;
       }
     }
     if (r == 0)

@@ -657,8 +657,6 @@ struct bcf_cache {
    * btree lock held): captured keys are on their way to disk. */
   void (*test_ckpt_hook) (struct bcf_cache *c, void *opaque);
   void *test_ckpt_hook_opaque;
-  /* Tests: the checkpoint's CKPT_FLUSH_BYTES instead (0: that). */
-  size_t test_ckpt_flush_bytes;
 
   /* Background threads. */
   bool threads_running;

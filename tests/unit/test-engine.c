@@ -2165,51 +2165,6 @@ START_TEST (test_interior_nodes_written_whole)
 }
 END_TEST
 
-/* The checkpoint flushes the device after every test_ckpt_flush_bytes of
- * node writes within a level (CKPT_FLUSH_BYTES in btree.c: what a
- * journal write's flush in the middle of a checkpoint meets).  With the
- * bound at 1 byte every node write is followed by a flush; without it a
- * checkpoint flushes once per level, whatever it writes. */
-START_TEST (test_checkpoint_flush_bound)
-{
-  struct fixture f;
-  struct bcf_io_stats io0, io1;
-  struct bcf_cache_stats st0, st1;
-  uint8_t data[4096];
-  uint64_t writes, flushes, jwrites;
-
-  fill_deep_tree (&f, 12, NULL);
-  ck_assert_uint_ge (f.c->tree.root->keys.nr, 8);
-  /* A round that dirties many leaves. */
-  for (unsigned i = 0; i < 300; i++) {
-    uint64_t off = rnd_below ((64 << 20) / 8192) * 8192;
-    fill (data, sizeof data);
-    ck_assert_int_eq (bcf_insert (f.c, off, sizeof data, data, false, false),
-                      0);
-  }
-  f.c->test_ckpt_flush_bytes = 1;
-  bcf_io_stats (f.c->io, &io0);
-  bcf_cache_stats (f.c, &st0);
-  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
-  bcf_io_stats (f.c->io, &io1);
-  bcf_cache_stats (f.c, &st1);
-  writes = io1.writes - io0.writes;
-  flushes = io1.flushes - io0.flushes;
-  jwrites = st1.journal_writes - st0.journal_writes;
-  /* Journal writes are FUA writes with no flush after them; every other
-   * write of a checkpoint (nodes, a prio write) is followed by one. */
-  ck_assert_msg (writes >= jwrites + 8,
-                 "the checkpoint wrote %" PRIu64 " nodes, expected many",
-                 writes - jwrites);
-  ck_assert_msg (flushes >= writes - jwrites,
-                 "%" PRIu64 " node writes, %" PRIu64 " flushes: a flush "
-                 "must follow each one with the bound at 1 byte",
-                 writes - jwrites, flushes);
-  fixture_close (&f);
-  fixture_free (&f);
-}
-END_TEST
-
 /* Keys bcache writes into interior nodes that are not children: a
  * freeing key at (0, 0), and a second, older key at the position of the
  * one before it in the same bset (the kernel sorts the newest first).
@@ -2336,7 +2291,6 @@ engine_suite (void)
   add (s, "kernel_min_buckets", test_kernel_min_buckets);
   add (s, "interior_nodes_written_whole", test_interior_nodes_written_whole);
   add (s, "kernel_interior_keys", test_kernel_interior_keys);
-  add (s, "checkpoint_flush_bound", test_checkpoint_flush_bound);
   add (s, "model_random", test_model_random);
   add (s, "model_small_node_cache", test_model_small_node_cache);
   add (s, "model_eviction", test_model_eviction);
