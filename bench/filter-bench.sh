@@ -99,7 +99,10 @@
 #              flush per 32 writes submitted, the others going on while it
 #              is outstanding: bench/nbd-writes (libnbd), at IODEPTH, COLD.
 #              What issue 14 defines as `writes`.
-#   Every (config, workload) pair gets a freshly started front end.  The
+#   Every (config, workload) pair gets a freshly started front end, and
+#   every measured run starts after a sync (settle_disk: what was dirty
+#   goes to settle.tsv), so that no config pays for the page cache the
+#   one before it left (the cache filter's never-synced file).  The
 #   runs go workload by workload, all configs back to back, so that the
 #   runs a ratio compares are close in time on a shared host; one remote
 #   serves them all (it keeps no state that matters here).
@@ -485,6 +488,9 @@ measure() {                     # measure CONFIG WORKLOAD REP
         PIDS+=("$perf_pid")
     fi
     local cpid=${FRONT_PID:-$REMOTE_PID} c0 c1 r0 r1 d0 d1 dreads= h0 h1
+    # Nothing dirty from the config before (the cache filter never syncs
+    # its temporary file): bench-lib.sh's settle_disk.
+    settle_disk "$cfg.$wl.$rep"
     c0=$(cpu_ticks "$cpid"); r0=$(cpu_ticks "$REMOTE_PID"); d0=$(dev_reads)
     h0=$(host_ticks)
     if [[ $wl == fswrites ]]; then
