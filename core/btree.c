@@ -1404,8 +1404,18 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
   return 0;
 }
 
-/* Count the nodes whose next bset does not fit in their bucket. */
-struct reloc_ctx { size_t n; };
+/* How many buckets can a snapshot's relocations take?  A node relocates
+ * at most once per snapshot (relocate_node sets rewrite, which
+ * snapshot_node checks first): those whose next bset does not fit now
+ * (moves), and interior nodes whose log the new pointers of moved
+ * children fill (levels are processed bottom up, so each interior node
+ * not yet being rewritten counts once if anything moves).  The bound was
+ * once (moves) x (levels), which asked 3,385 buckets of a 5M-key cache
+ * whose free lists hold at most 1,541: after a crash, recovery had
+ * dropped clean keys in every leaf, and no checkpoint, hence no open,
+ * could ever succeed again ("No space left on device", on a cache full
+ * of reclaimable clean data). */
+struct reloc_ctx { size_t moves, interior; };
 static int
 count_relocations (struct bcf_cache *c, struct btree_node *n, void *opaque)
 {
@@ -1413,9 +1423,19 @@ count_relocations (struct bcf_cache *c, struct btree_node *n, void *opaque)
   size_t need = round_block (c, BCH_BSET_HEADER_SIZE +
                              n->open.nr * sizeof (struct ckey));
 
-  if (!n->rewrite && n->open.nr && n->written + need > c->tree.node_bytes)
-    rc->n++;
+  if (n->rewrite)
+    return 0;                   /* written whole to its own bucket anyway */
+  if (n->open.nr && n->written + need > c->tree.node_bytes)
+    rc->moves++;
+  if (n->level > 0)
+    rc->interior++;
   return 0;
+}
+
+static size_t
+relocations_at_most (const struct reloc_ctx *rc)
+{
+  return rc->moves ? rc->moves + rc->interior : 0;
 }
 
 /* Split every node that outgrew a node.  Returns -EAGAIN if buckets ran
@@ -1505,11 +1525,12 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
   /* Nothing below may fail half way: it clears open sets and advances
    * `written` as it encodes.  So first make sure every relocation can get
    * its bucket: each node whose log is full moves, and the pointer update
-   * may in turn fill its parent's log, up to the root. */
+   * may in turn fill its parent's log, up to the root
+   * (relocations_at_most). */
   if (r == 0) {
     struct reloc_ctx rc = { 0 };
     btree_visit (c, count_relocations, &rc);
-    if (btree_free_buckets (c) < rc.n * (c->tree.root->level + 1) + 1)
+    if (btree_free_buckets (c) < relocations_at_most (&rc) + 1)
       r = -EAGAIN;
   }
   if (r == 0) {

@@ -674,6 +674,78 @@ START_TEST (test_intent_recover_fills_journal)
 }
 END_TEST
 
+/* A checkpoint may move nearly every leaf at once: after a crash,
+ * write-intent recovery drops the clean keys of the marked regions with
+ * a whiteout each, and a leaf whose log cannot take its whiteouts moves
+ * to a new bucket.  The checkpoint asked for (leaves that move) x
+ * (levels) free buckets, more than the free lists ever hold once a third
+ * of the leaves move in a three-level tree: the open failed with "No
+ * space left on device", and so did every open after it, on a cache full
+ * of clean data (a 5M-key cache killed under gc-stall's load: 1,128
+ * leaves, 3,385 buckets asked of free lists of 1,541).  Here: 4 KiB
+ * buckets (nodes of at most ~130 keys, so three levels), 512-byte keys
+ * inserted in random order (leaves ~70% full, so that their whiteouts do
+ * not fit), two marked regions, a journal that takes the whiteouts of
+ * more leaves than a third of the free lists. */
+START_TEST (test_intent_recover_moves_every_leaf)
+{
+  struct fixture f;
+  struct bcf_cache_stats st;
+  struct bcf_extent e;
+  uint8_t *data = calloc (1, BLOCK);
+  const uint64_t nkeys = 24000, region = 16 << 20;
+  uint64_t *order = malloc (nkeys * sizeof *order);
+  unsigned got;
+
+  rng_state = seed * 29 + 11;
+  fixture_init (&f, "moves.img", 64 << 20, 64 << 20, 8);
+  f.opts.block_sectors = 1;
+  f.opts.direct_off = true;             /* the crash model works on files */
+  fixture_open (&f);
+  for (uint64_t i = 0; i < nkeys; i++)
+    order[i] = i;
+  for (uint64_t i = nkeys - 1; i > 0; i--) {
+    uint64_t j = rnd_below (i + 1), t = order[i];
+    order[i] = order[j];
+    order[j] = t;
+  }
+  for (uint64_t i = 0; i < nkeys; i++)       /* every other sector */
+    ck_assert_int_eq (bcf_insert (f.c, (2 * order[i] + 1) * 512, 512, data,
+                                  false, false), 0);
+  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_ge (st.btree_depth, 3);
+  ck_assert_uint_gt (st.btree_nodes * 3,
+                     f.c->alloc.free[RESERVE_NONE].size +
+                     f.c->alloc.free[RESERVE_BTREE].size);
+  /* Writes over cached data mark both regions. */
+  for (uint64_t off = 0; off < 2 * region; off += region) {
+    struct bcf_write w;
+
+    ck_assert_int_eq (bcf_insert (f.c, off, 512, data, false, true), 0);
+    ck_assert_int_eq (bcf_write_begin (f.c, off, 512, data, &w), 0);
+    ck_assert (w.intent);
+    ck_assert_int_eq (bcf_write_mark_clean (f.c, &w), 512);
+    bcf_write_release (f.c, &w);
+  }
+  bcf_cache_test_crash (f.c, 0, BCF_IO_CRASH_KEEP_ALL);
+  f.c = NULL;
+
+  f.opts.format = BCF_FORMAT_NEVER;
+  fixture_open_bounded (&f, "reopen after the crash");
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_ge (st.intent_dropped, nkeys);
+  ck_assert_int_eq (bcf_lookup (f.c, 512, 512, &e, 1, &got), 0);
+  ck_assert (got == 1 && e.kind == BCF_EXTENT_MISS);
+  ck_assert_int_eq (bcf_cache_fsck (f.c, NULL, 0), 0);
+  fixture_close (&f);
+  fixture_open_bounded (&f, "the open after");
+  fixture_free (&f);
+  free (order);
+  free (data);
+}
+END_TEST
+
 /* A dirty write that finds no room changes nothing (bcf_write_begin
  * drops no older dirty data: the request path writes it back first), and
  * the invalidation that follows must be durable to survive a crash:
@@ -2278,6 +2350,8 @@ engine_suite (void)
   add (s, "open_after_crash_in_reserve", test_open_after_crash_in_reserve);
   add (s, "intent_recover_evicted", test_intent_recover_evicted);
   add (s, "intent_recover_fills_journal", test_intent_recover_fills_journal);
+  add (s, "intent_recover_moves_every_leaf",
+       test_intent_recover_moves_every_leaf);
   add (s, "nospace_write_invalidates_durably",
        test_nospace_write_invalidates_durably);
   {
