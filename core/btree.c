@@ -1406,10 +1406,11 @@ snapshot_node (struct bcf_cache *c, struct btree_node *n, void *opaque)
 
 /* How many buckets can a snapshot's relocations take?  A node relocates
  * at most once per snapshot (relocate_node sets rewrite, which
- * snapshot_node checks first): those whose next bset does not fit now
- * (moves), and interior nodes whose log the new pointers of moved
- * children fill (levels are processed bottom up, so each interior node
- * not yet being rewritten counts once if anything moves).  The bound was
+ * snapshot_node and interior_update check first): the nodes whose next
+ * bset does not fit now (moves), and the interior nodes above them,
+ * which a child's new pointer relocates at once (interior nodes are
+ * written whole: interior_update); so each interior node not yet being
+ * rewritten counts once if anything moves.  The bound was
  * once (moves) x (levels), which asked 3,385 buckets of a 5M-key cache
  * whose free lists hold at most 1,541: after a crash, recovery had
  * dropped clean keys in every leaf, and no checkpoint, hence no open,
