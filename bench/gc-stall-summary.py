@@ -73,10 +73,12 @@ for c, j, name, rnd in rows:
                         ("upd", "update_locked"),
                         ("mark", "intent_mark"),
                         ("jw", "journal_write"),
+                        ("jpf", "journal_preflush"),
+                        ("pw", "prio_write"),
                         ("cw", "cache_write"),
                         ("lw", "latency_write")):
-            # (update_locked, intent_mark, cache_write are newer than some
-            # saved runs.)
+            # (update_locked, intent_mark, cache_write, journal_preflush,
+            # prio_write are newer than some saved runs.)
             r[k] = in_run(e[stat], e0[stat]) if stat in e else "–"
     res[(c, j, int(rnd))] = r
 
@@ -142,12 +144,12 @@ if gcp:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | intent mark | request's cache write | whole write in the engine |")
-print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:
         print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
-              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} | {r['mark']} | {r['cw']} | {r['lw']} |")
+              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} | {r['jpf']} | {r['pw']} | {r['mark']} | {r['cw']} | {r['lw']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
 if os.path.exists(pf):

@@ -683,7 +683,7 @@ alloc_prio_write (struct bcf_cache *c)
   unsigned nold;
   struct bch_bucket_disk *ent;
   uint8_t *buf;
-  uint64_t seq;
+  uint64_t seq, t0 = bcf_now_ns ();
   int r = 0;
 
   ent = malloc (a->nbuckets * sizeof *ent);
@@ -780,6 +780,8 @@ alloc_prio_write (struct bcf_cache *c)
     c->failed = true;
   }
  out:
+  if (r == 0)
+    bcf_time_record (c, &c->stats.prio_write, bcf_now_ns () - t0);
   bcf_buf_free (buf, c->bucket_bytes);
   free (ent);
   return r;

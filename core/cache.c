@@ -541,6 +541,8 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->update_locked = c->stats.update_locked;
   st->intent_mark = c->stats.intent_mark;
   st->cache_write = c->stats.cache_write;
+  st->journal_preflush = c->stats.journal_preflush;
+  st->prio_write = c->stats.prio_write;
   pthread_mutex_unlock (&c->stats.time_lock);
 }
 
@@ -558,6 +560,7 @@ bcf_cache_clear_time_stats (struct bcf_cache *c)
     &c->stats.alloc_wait, &c->stats.checkpoint, &c->stats.ckpt_locked,
     &c->stats.gc_slice_locked, &c->stats.lookup_lock_wait,
     &c->stats.update_locked, &c->stats.intent_mark, &c->stats.cache_write,
+    &c->stats.journal_preflush, &c->stats.prio_write,
   };
 
   pthread_mutex_lock (&c->stats.time_lock);

@@ -694,6 +694,10 @@ struct bcf_cache {
      * waited for it (extent.c's write_pieces; bcf_write_over_end, where
      * it ran beside the backing write, only what remained after that). */
     struct bcf_time_stat cache_write;
+    /* Each device flush a journal write made before its entry (part of
+     * journal_write: the rest is the entry's own write), and each prio
+     * write (the buckets' gens and prios, then their journal entry). */
+    struct bcf_time_stat journal_preflush, prio_write;
     atomic_uint_fast64_t gc_slice_nodes_last, gc_slice_nodes_max;
     atomic_uint_fast64_t gc_slices_busy;
     pthread_mutex_t time_lock;

@@ -306,7 +306,12 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   j->bucket_seq[bucket] = seq;
   pthread_mutex_unlock (&j->lock);
 
-  r = preflush ? bcf_io_flush (c->io) : 0;
+  if (preflush) {
+    uint64_t tf = bcf_now_ns ();
+
+    r = bcf_io_flush (c->io);
+    bcf_time_record (c, &c->stats.journal_preflush, bcf_now_ns () - tf);
+  }
   if (r == 0)
     r = bcf_io_pwrite_fua (c->io, buf, len,
                            c->sb.d[bucket] * c->bucket_bytes + offset);

@@ -288,6 +288,12 @@ struct getter {
   X (cache_write, TIME, NS, ENGINE, 0, TIME (cache.cache_write), N_CACHE,   \
      "How long each write waited for its data's write to the cache "      \
      "device (beyond its export write, where the two run side by side).")  \
+  X (journal_preflush, TIME, NS, ENGINE, 0, TIME (cache.journal_preflush),  \
+     N_CACHE, "How long each device flush before a journal entry took "    \
+     "(part of journal_write).")                                            \
+  X (prio_write, TIME, NS, ENGINE, 0, TIME (cache.prio_write), N_CACHE,     \
+     "How long each write of the prio buckets and their journal entry "    \
+     "took.")                                                               \
   X (tracker_bytes, GAUGE, BYTES, ENGINE, 0, U64 (req.bypass_bytes_now),    \
      N_REQ, "Memory of the in-flight write tracker now.")                   \
   X (tracker_peak_bytes, GAUGE, BYTES, ENGINE, 0,                           \

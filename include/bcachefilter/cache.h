@@ -603,6 +603,12 @@ struct bcf_cache_stats {
    * (a write over clean data writes beside its export write: only the
    * wait after that). */
   struct bcf_time_stat cache_write;
+  /* Each device flush a journal write made before writing its entry
+   * (data and metadata before the keys that point at them: part of
+   * journal_write, the rest being the entry's write), and each write of
+   * the prio buckets with the journal entry that points at them (after
+   * GC or the allocator changed bucket gens). */
+  struct bcf_time_stat journal_preflush, prio_write;
   uint64_t gc_passes, gc_slices, gc_nodes, gc_coalesced;
   /* Moving GC (bcf_move_dirty): runs, dirty extents moved and their
    * bytes, and extents a write, invalidation or clean mark changed

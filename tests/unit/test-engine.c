@@ -674,6 +674,40 @@ START_TEST (test_intent_recover_fills_journal)
 }
 END_TEST
 
+/* journal_preflush times the flush a journal write makes before an
+ * entry that follows data (part of journal_write), prio_write each write
+ * of the prio buckets: the open writes one, a durable dirty insert makes
+ * a journal write with a preflush, and a prio write counts once. */
+START_TEST (test_preflush_and_prio_time_stats)
+{
+  struct fixture f;
+  struct bcf_cache_stats st0, st;
+  uint8_t *data = calloc (1, BLOCK);
+
+  fixture_init (&f, "tstats.img", 16 << 20, 16 << 20, 256);
+  fixture_open (&f);
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_ge (st0.prio_write.count, 1);
+  ck_assert_uint_le (st0.journal_preflush.count, st0.journal_write.count);
+
+  ck_assert_int_eq (bcf_insert (f.c, 0, BLOCK, data, true, true), 0);
+  ck_assert_int_eq (bcf_flush (f.c), 0);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_eq (st.journal_write.count, st0.journal_write.count + 1);
+  ck_assert_uint_eq (st.journal_preflush.count,
+                     st0.journal_preflush.count + 1);
+  ck_assert_uint_le (st.journal_preflush.max_ns, st.journal_write.max_ns);
+
+  ck_assert_int_eq (alloc_prio_write (f.c), 0);
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_eq (st0.prio_write.count, st.prio_write.count + 1);
+  /* The prio write's own journal entry (metadata: a preflush too). */
+  ck_assert_uint_gt (st0.journal_preflush.count, st.journal_preflush.count);
+  fixture_free (&f);
+  free (data);
+}
+END_TEST
+
 /* A checkpoint may move nearly every leaf at once: after a crash,
  * write-intent recovery drops the clean keys of the marked regions with
  * a whiteout each, and a leaf whose log cannot take its whiteouts moves
@@ -2350,6 +2384,7 @@ engine_suite (void)
   add (s, "open_after_crash_in_reserve", test_open_after_crash_in_reserve);
   add (s, "intent_recover_evicted", test_intent_recover_evicted);
   add (s, "intent_recover_fills_journal", test_intent_recover_fills_journal);
+  add (s, "preflush_and_prio_time_stats", test_preflush_and_prio_time_stats);
   add (s, "intent_recover_moves_every_leaf",
        test_intent_recover_moves_every_leaf);
   add (s, "nospace_write_invalidates_durably",
