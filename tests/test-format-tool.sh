@@ -61,8 +61,8 @@ print(eval(sys.argv[2]))' "$1" "$2" || fail "$1 is not valid JSON or '$2' fails"
 }
 
 # jq_all FILE EXPR...: every python expression over the JSON in FILE (as
-# j) must be true.  One interpreter for them all: python3 takes ~0.4 s to
-# start here, and check_cache used to start one per expression.
+# j) must be true.  One interpreter for them all: check_cache used to
+# start one per expression (with pyenv's shim, 0.4 s each: functions.sh).
 jq_all ()
 {
     local f=$1

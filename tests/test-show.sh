@@ -149,7 +149,7 @@ compare_with_super_show ()
 
 # json_get FILE EXPR: evaluate a python expression over the JSON output
 # j of bcachefilter-show --json FILE (which must be valid JSON).  One
-# interpreter checks and evaluates: python3 takes ~0.4 s to start here.
+# interpreter checks and evaluates (one start per call: functions.sh).
 json_get ()
 {
     bcachefilter-show --json "$1" > "$d/json"

@@ -32,7 +32,10 @@ filter_requires ()
         exit 77
     fi
     PYTHON=
-    for _p in "${PYTHON_NBD:-}" python3 /usr/bin/python3 /usr/local/bin/python3
+    # A path, not the python3 function of functions.sh: $PYTHON is also
+    # run by timeout and by nbdkit --run.
+    for _p in "${PYTHON_NBD:-}" /usr/bin/python3 "$(type -P python3)" \
+              /usr/local/bin/python3
     do
         [ -n "$_p" ] || continue
         if "$_p" -c 'import nbd' >/dev/null 2>&1; then
