@@ -230,10 +230,13 @@ shadow_set (struct run *r, uint64_t blk, uint64_t nb, const uint8_t *buf)
 static void
 backing_write_random (struct run *r, uint64_t blk, uint64_t nb)
 {
+  int rc;
+
   fill (r->buf, nb * BLOCK);
-  ck_assert_int_eq (r->b.ops->pwrite (r->b.opaque, r->buf,
-                                      (uint32_t) (nb * BLOCK), blk * BLOCK,
-                                      false), 0);
+  rc = r->b.ops->pwrite (r->b.opaque, r->buf, (uint32_t) (nb * BLOCK),
+                         blk * BLOCK, false);
+  check_msg (rc == 0, "backing store write at block %" PRIu64 ": %d", blk,
+             rc);
   shadow_set (r, blk, nb, r->buf);
 }
 
@@ -245,16 +248,19 @@ hits_equal_backing (struct run *r, bool clean_only, const char *what)
   for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
     struct bcf_extent es[80];
     unsigned n;
+    int rc = bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, es, 80, &n);
 
-    ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, es, 80, &n),
-                      0);
+    check_msg (rc == 0, "%s: bcf_lookup at block %" PRIu64 ": %d", what, blk,
+               rc);
     for (unsigned i = 0; i < n; i++)
       if (es[i].kind == BCF_EXTENT_HIT && !(clean_only && es[i].dirty)) {
-        ck_assert_int_eq (bcf_read_hit (r->c, &es[i], r->buf), 0);
-        ck_assert_msg (memcmp (r->buf, r->m.shadow + es[i].offset, es[i].len)
-                       == 0, "%s: %s blocks at %" PRIu64 " differ from "
-                       "the backing store", what,
-                       es[i].dirty ? "dirty" : "clean cached", es[i].offset);
+        rc = bcf_read_hit (r->c, &es[i], r->buf);
+        check_msg (rc == 0, "%s: bcf_read_hit at %" PRIu64 ": %d", what,
+                   es[i].offset, rc);
+        check_msg (memcmp (r->buf, r->m.shadow + es[i].offset, es[i].len)
+                   == 0, "%s: %s blocks at %" PRIu64 " differ from "
+                   "the backing store", what,
+                   es[i].dirty ? "dirty" : "clean cached", es[i].offset);
       }
   }
 }
@@ -360,7 +366,8 @@ allow_values (struct run *r, uint64_t blk, uint64_t nb, const uint8_t *buf)
 {
   for (uint64_t i = 0; i < nb; i++) {
     unsigned *n = &r->m.nvalues[blk + i];
-    ck_assert_uint_lt (*n, MAX_VALUES);
+    check_msg (*n < MAX_VALUES, "block %" PRIu64 ": more than %d values "
+               "since the last flush", blk + i, MAX_VALUES);
     r->m.values[blk + i][(*n)++] = block_hash (buf + i * BLOCK);
   }
 }
@@ -535,28 +542,32 @@ check_recovered (struct run *r, enum workload w, uint64_t n)
   for (uint64_t blk = 0; blk < NBLOCKS; blk += 64) {
     struct bcf_extent e[80];
     unsigned ne;
+    int rc = bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, e, 80, &ne);
 
-    ck_assert_int_eq (bcf_lookup (r->c, blk * BLOCK, 64 * BLOCK, e, 80, &ne),
-                      0);
+    check_msg (rc == 0, "seed %u workload %s cut at write %" PRIu64
+               ": bcf_lookup at block %" PRIu64 ": %d", seed, wname[w], n,
+               blk, rc);
     for (unsigned i = 0; i < ne; i++) {
       uint64_t b0 = e[i].offset / BLOCK, b1 = (e[i].offset + e[i].len) / BLOCK;
 
       if (e[i].kind == BCF_EXTENT_HIT) {
-        int x = bcf_read_hit (r->c, &e[i], r->buf);
-        ck_assert_int_eq (x, 0);
-        ck_assert_msg (memcmp (r->buf, r->m.shadow + e[i].offset, e[i].len)
-                       == 0, "seed %u workload %s cut at write %" PRIu64
-                       ": I2 violated: cached blocks %" PRIu64 "..%" PRIu64
-                       " differ from the backing store", seed, wname[w], n,
-                       b0, b1 - 1);
+        rc = bcf_read_hit (r->c, &e[i], r->buf);
+        check_msg (rc == 0, "seed %u workload %s cut at write %" PRIu64
+                   ": bcf_read_hit at block %" PRIu64 ": %d", seed,
+                   wname[w], n, b0, rc);
+        check_msg (memcmp (r->buf, r->m.shadow + e[i].offset, e[i].len)
+                   == 0, "seed %u workload %s cut at write %" PRIu64
+                   ": I2 violated: cached blocks %" PRIu64 "..%" PRIu64
+                   " differ from the backing store", seed, wname[w], n,
+                   b0, b1 - 1);
       }
       else if (w != W_EVICTION)
         for (uint64_t x = b0; x < b1; x++)
-          ck_assert_msg (!(r->m.flushed[x] && !r->m.touched[x]),
-                         "seed %u workload %s cut at write %" PRIu64
-                         ": I3 violated: block %" PRIu64 " was inserted "
-                         "and flushed but is no longer cached", seed,
-                         wname[w], n, x);
+          check_msg (!(r->m.flushed[x] && !r->m.touched[x]),
+                     "seed %u workload %s cut at write %" PRIu64
+                     ": I3 violated: block %" PRIu64 " was inserted "
+                     "and flushed but is no longer cached", seed,
+                     wname[w], n, x);
     }
   }
 }
@@ -586,10 +597,10 @@ check_recovered_dirty (struct run *r, enum workload w, uint64_t n)
     ck_assert_int_eq (bcf_req_read (q, &r->b, first + off, 64 * BLOCK, off),
                       0);
   for (uint64_t x = 0; x < NBLOCKS; x++)
-    ck_assert_msg (value_allowed (r, x, block_hash (first + x * BLOCK)),
-                   "seed %u workload %s cut at write %" PRIu64 ": block %"
-                   PRIu64 " reads a value older than the last flush (I2)",
-                   seed, wname[w], n, x);
+    check_msg (value_allowed (r, x, block_hash (first + x * BLOCK)),
+               "seed %u workload %s cut at write %" PRIu64 ": block %"
+               PRIu64 " reads a value older than the last flush (I2)",
+               seed, wname[w], n, x);
   ck_assert_int_eq (bcf_req_writeback (q, &r->b), 0);
   bcf_req_get_stats (q, &rs);
   ck_assert_uint_eq (rs.dirty_bytes, 0);
@@ -611,14 +622,14 @@ check_recovered_dirty (struct run *r, enum workload w, uint64_t n)
    * over it: only the shadow, or the stopped write's own data where its
    * keys became durable (struct model, pending). */
   for (uint64_t x = 0; x < NBLOCKS; x++)
-    ck_assert_msg (memcmp (r->m.shadow + x * BLOCK, again + x * BLOCK, BLOCK)
-                   == 0 || (x >= r->m.pending_blk &&
-                            x < r->m.pending_blk + r->m.pending_nb &&
-                            block_hash (again + x * BLOCK) ==
-                            r->m.pending[x - r->m.pending_blk]),
-                   "seed %u workload %s cut at write %" PRIu64 ": "
-                   "block %" PRIu64 ": the recovery wrote older data over "
-                   "the backing store", seed, wname[w], n, x);
+    check_msg (memcmp (r->m.shadow + x * BLOCK, again + x * BLOCK, BLOCK)
+               == 0 || (x >= r->m.pending_blk &&
+                        x < r->m.pending_blk + r->m.pending_nb &&
+                        block_hash (again + x * BLOCK) ==
+                        r->m.pending[x - r->m.pending_blk]),
+               "seed %u workload %s cut at write %" PRIu64 ": "
+               "block %" PRIu64 ": the recovery wrote older data over "
+               "the backing store", seed, wname[w], n, x);
   bcf_req_free (q);
   memcpy (r->m.shadow, again, BACKING);
   memset (r->m.rewritten, true, sizeof r->m.rewritten);
