@@ -49,9 +49,13 @@
 #   and in how many rounds the forced-GC run met issue 15's bounds: a
 #   single run's maximum follows single slow device writes and the
 #   proxy's own maximum (stop 23 saw 0.95 x and 11.94 x the proxy with the
-#   same code within half an hour).  Round r runs fio with --randrepeat=0
-#   --randseed=r: the front ends of a round see the same offsets, the
-#   rounds others.
+#   same code within half an hour).  Every run has a seed of its own
+#   (fio --randrepeat=0 --randseed=N, N counting the runs; commands.txt
+#   has them): the two bcachefilter front ends share one cache, and a run
+#   with the seed of the one before it re-reads and re-writes what that
+#   one just cached (stop 37: the forced-GC run after the nogc run served
+#   ~4,500 hits/s from the device against the nogc run's ~850 until it
+#   passed the other's last offset, and had twice its maxima).
 #
 # USAGE
 #   bench/gc-stall.sh                            # KEYS=250k, 30 s per run
@@ -207,6 +211,7 @@ job_args() {
 
 RESULTS=$OUTDIR/results.tsv
 : >"$RESULTS"
+runno=0
 for rep in $(seq "$REPEAT"); do
 for j in $JOBS; do
     for c in $CONFIGS; do
@@ -225,13 +230,13 @@ for j in $JOBS; do
         elif [[ $c == bcachefilter-nogc ]]; then
             bstats "$OUTDIR/$name.before.json"
         fi
-        # --randseed: every front end of a round gets the same offsets,
-        # and every round others (fio's default seed is fixed: round 2
-        # would re-read and re-write what round 1 cached).  fio 3.33
-        # ignores it unless --randrepeat=0; with both it repeats.
+        # --randseed: every run its own offsets (the header says why;
+        # fio's default seed is fixed).  fio 3.33 ignores it unless
+        # --randrepeat=0; with both it repeats.
+        runno=$((runno + 1))
         # shellcheck disable=SC2046
         run_fio "$name" "${SOCK[$c]}" "$OUTDIR/$name.json" $(job_args "$j") \
-            --randrepeat=0 --randseed="$rep" \
+            --randrepeat=0 --randseed="$runno" \
             --size="$EXPORT_BYTES" --norandommap --time_based \
             --runtime="$DURATION" --unified_rw_reporting=mixed \
             --write_lat_log="$OUTDIR/$name" --log_avg_msec=1000 \
