@@ -52,9 +52,20 @@ bytes=$(sed -nE 's/.* checked \(([0-9]+) bytes\).*/\1/p' "$d/out")
 test "$bytes" -ge $((4 * M)) ||
     fail "--verify checked $bytes bytes: the written 4M were not cached"
 
-# 3. Corrupt the export behind the cache's back.
-printf 'XYZ' | dd of="$d/backing" bs=1 seek=$((M + 100)) conv=notrunc status=none
-printf 'XYZ' | dd of="$d/backing" bs=1 seek=$((9 * M)) conv=notrunc status=none
+# 3. Corrupt the export behind the cache's back: each of 3 bytes
+# replaced by its complement, so that the first of them differs for sure
+# (a constant string matched the random byte there 1 time in 256, and
+# the first difference was then one byte further on).
+flip3 ()        # flip3 OFFSET
+{
+    local b out=
+    for b in $(od -An -tu1 -j "$1" -N 3 "$d/backing"); do
+        out+=$(printf '\\%03o' $((255 - b)))
+    done
+    printf "$out" | dd of="$d/backing" bs=1 seek="$1" conv=notrunc status=none
+}
+flip3 $((M + 100))
+flip3 $((9 * M))
 st=0
 bcachefilter-show --verify "$d/cache" "$remote_uri" > "$d/out" 2>&1 || st=$?
 cat "$d/out"
