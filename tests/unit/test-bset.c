@@ -88,14 +88,14 @@ compare (const struct keyset *set, uint64_t op)
   for (int i = 0; i < M_INODES; i++)
     for (int s = 0; s < M_SECTORS; s++) {
       const struct slot *a = &model[i][s], *b = &got[i][s];
-      ck_assert_msg (a->present == b->present &&
-                     (!a->present ||
-                      (a->dirty == b->dirty && a->dev == b->dev &&
-                       a->gen == b->gen && a->offset == b->offset)),
-                     "seed %u op %" PRIu64 ": inode %d sector %d differs "
-                     "(model %s, set %s)", seed, op, i, s,
-                     a->present ? "data" : "hole",
-                     b->present ? "data" : "hole");
+      check_msg (a->present == b->present &&
+                 (!a->present ||
+                  (a->dirty == b->dirty && a->dev == b->dev &&
+                   a->gen == b->gen && a->offset == b->offset)),
+                 "seed %u op %" PRIu64 ": inode %d sector %d differs "
+                 "(model %s, set %s)", seed, op, i, s,
+                 a->present ? "data" : "hole",
+                 b->present ? "data" : "hole");
     }
 }
 
@@ -109,6 +109,16 @@ random_extent (bool allow_whiteout)
   return ckey_make (ino, start + size, size, ptr,
                     MAKE_PTR ((uint8_t) rnd (), rnd_below (1ull << 40), 0),
                     rnd_below (3) == 0);
+}
+
+/* keyset_insert (set, k) must succeed (op: for the message). */
+static void
+insert_ok (struct keyset *set, const struct ckey *k, uint64_t op)
+{
+  int r = keyset_insert (set, k);
+
+  check_msg (r == 0, "seed %u op %" PRIu64 ": keyset_insert: %d", seed, op,
+             r);
 }
 
 START_TEST (test_model_random)
@@ -129,7 +139,7 @@ START_TEST (test_model_random)
     if (what < 5) {                     /* write or whiteout */
       struct ckey k = random_extent (true);
       model_insert (&k);
-      ck_assert_int_eq (keyset_insert (&set, &k), 0);
+      insert_ok (&set, &k, op);
     }
     else if (what < 7 && npending < 8) { /* read miss: check key */
       struct ckey c = random_extent (false);
@@ -137,7 +147,7 @@ START_TEST (test_model_random)
                      MAKE_PTR (0, rnd_below (1ull << 40), PTR_CHECK_DEV),
                      false);
       model_insert (&c);
-      ck_assert_int_eq (keyset_insert (&set, &c), 0);
+      insert_ok (&set, &c, op);
       pending[npending++] = c;
     }
     else if (npending > 0) {            /* miss completes: replace */
@@ -150,12 +160,12 @@ START_TEST (test_model_random)
       bool want = model_replace_matches (&data, &c);
       bool got = keyset_replace_matches (&set, &data, &c);
 
-      ck_assert_msg (want == got, "seed %u op %" PRIu64
-                     ": replace_matches %d, model says %d", seed, op, got,
-                     want);
+      check_msg (want == got, "seed %u op %" PRIu64
+                 ": replace_matches %d, model says %d", seed, op, got,
+                 want);
       if (got) {
         model_insert (&data);
-        ck_assert_int_eq (keyset_insert (&set, &data), 0);
+        insert_ok (&set, &data, op);
       }
       pending[idx] = pending[--npending];
     }
@@ -179,8 +189,8 @@ assert_same_set (const struct keyset *a, const struct keyset *b,
   ck_assert_msg (a->nr == b->nr, "seed %u round %u: %zu keys, expected %zu",
                  seed, round, b->nr, a->nr);
   for (size_t i = 0; i < a->nr; i++)
-    ck_assert_msg (memcmp (&a->k[i], &b->k[i], sizeof a->k[i]) == 0,
-                   "seed %u round %u: key %zu differs", seed, round, i);
+    check_msg (memcmp (&a->k[i], &b->k[i], sizeof a->k[i]) == 0,
+               "seed %u round %u: key %zu differs", seed, round, i);
   ck_assert_uint_eq (a->words, b->words);
   ck_assert_uint_eq (a->ndirty, b->ndirty);
 }
@@ -195,8 +205,8 @@ random_twin_sets (struct keyset *a, struct keyset *b, bool keep_whiteouts)
   keyset_init (b, keep_whiteouts);
   for (unsigned i = 0; i < n; i++) {
     struct ckey k = random_extent (true);
-    ck_assert_int_eq (keyset_insert (a, &k), 0);
-    ck_assert_int_eq (keyset_insert (b, &k), 0);
+    insert_ok (a, &k, i);
+    insert_ok (b, &k, i);
   }
 }
 
@@ -226,7 +236,7 @@ START_TEST (test_insert_batch)
         pos += size + rnd_below (64);
       }
     for (size_t i = 0; i < n; i++)
-      ck_assert_int_eq (keyset_insert (&a, &w[i]), 0);
+      insert_ok (&a, &w[i], i);
     ck_assert_int_eq (keyset_insert_batch (&b, w, n), 0);
     assert_same_set (&a, &b, round);
     keyset_free (&a);
@@ -270,7 +280,7 @@ START_TEST (test_remove_if)
       for (size_t i = 0; i < ngone; i++) {
         struct ckey wo = ckey_make (ckey_inode (&gone[i]), ckey_end (&gone[i]),
                                     ckey_size (&gone[i]), false, 0, false);
-        ck_assert_int_eq (keyset_insert (&a, &wo), 0);
+        insert_ok (&a, &wo, i);
       }
     }
     ck_assert_int_eq (keyset_remove_if (&b, drop_some, calls),

@@ -128,31 +128,38 @@ cached_read (struct fixture *f, const uint8_t *shadow, uint64_t off,
   uint64_t pos = off;
   uint8_t *buf = malloc (len);
 
-  ck_assert_ptr_nonnull (buf);
+  /* check_msg, not ck_assert: this runs for every read of the models. */
+  check_msg (buf != NULL, "out of memory");
   while (pos < off + len) {
-    ck_assert_int_eq (bcf_lookup (f->c, pos, off + len - pos, ext, 64, &n), 0);
-    ck_assert_uint_gt (n, 0);
+    int r = bcf_lookup (f->c, pos, off + len - pos, ext, 64, &n);
+
+    check_msg (r == 0, "seed %u op %" PRIu64 ": bcf_lookup: %s", seed, op,
+               strerror (-r));
+    check_msg (n > 0, "seed %u op %" PRIu64 ": bcf_lookup found nothing at "
+               "%" PRIu64, seed, op, pos);
     for (unsigned i = 0; i < n; i++) {
       uint8_t *p = buf + (ext[i].offset - off);
-      ck_assert_uint_eq (ext[i].offset, pos);
+      check_msg (ext[i].offset == pos, "seed %u op %" PRIu64 ": extent at "
+                 "%" PRIu64 ", expected %" PRIu64, seed, op, ext[i].offset,
+                 pos);
       if (ext[i].kind == BCF_EXTENT_HIT) {
-        int r = bcf_read_hit (f->c, &ext[i], p);
-        ck_assert_msg (r == 0 || r == -ESTALE, "read_hit: %s", strerror (-r));
+        r = bcf_read_hit (f->c, &ext[i], p);
+        check_msg (r == 0 || r == -ESTALE, "read_hit: %s", strerror (-r));
         if (r == 0)
-          ck_assert_msg (memcmp (p, shadow + ext[i].offset, ext[i].len) == 0,
-                         "seed %u op %" PRIu64 ": STALE HIT at %" PRIu64
-                         " len %" PRIu64, seed, op, ext[i].offset,
-                         ext[i].len);
+          check_msg (memcmp (p, shadow + ext[i].offset, ext[i].len) == 0,
+                     "seed %u op %" PRIu64 ": STALE HIT at %" PRIu64
+                     " len %" PRIu64, seed, op, ext[i].offset, ext[i].len);
       }
       else if (fill_misses) {
         struct bcf_miss m;
         struct bcf_backing b = mem_backing_get (f->mb);
         if (bcf_miss_begin (f->c, ext[i].offset, ext[i].len, &m) == 0) {
-          ck_assert_int_eq (b.ops->pread (b.opaque, p, (uint32_t) ext[i].len,
-                                          ext[i].offset), 0);
-          int r = bcf_miss_fill (f->c, &m, p);
-          ck_assert_msg (r == 0 || r == -EEXIST || r == -ENOSPC,
-                         "miss_fill: %s", strerror (-r));
+          r = b.ops->pread (b.opaque, p, (uint32_t) ext[i].len,
+                            ext[i].offset);
+          check_msg (r == 0, "backing read: %s", strerror (-r));
+          r = bcf_miss_fill (f->c, &m, p);
+          check_msg (r == 0 || r == -EEXIST || r == -ENOSPC,
+                     "miss_fill: %s", strerror (-r));
         }
       }
       pos = ext[i].offset + ext[i].len;
@@ -743,9 +750,12 @@ START_TEST (test_intent_recover_moves_every_leaf)
     order[i] = order[j];
     order[j] = t;
   }
-  for (uint64_t i = 0; i < nkeys; i++)       /* every other sector */
-    ck_assert_int_eq (bcf_insert (f.c, (2 * order[i] + 1) * 512, 512, data,
-                                  false, false), 0);
+  for (uint64_t i = 0; i < nkeys; i++) {     /* every other sector */
+    int r = bcf_insert (f.c, (2 * order[i] + 1) * 512, 512, data, false,
+                        false);
+    check_msg (r == 0, "bcf_insert of key %" PRIu64 ": %s", i,
+               strerror (-r));
+  }
   ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);
   bcf_cache_stats (f.c, &st);
   ck_assert_uint_ge (st.btree_depth, 3);
@@ -1508,9 +1518,9 @@ START_TEST (test_gc_coalesce)
       for (unsigned i = 0; i < n; i++)
         for (uint64_t x = e[i].offset / BLOCK;
              x < (e[i].offset + e[i].len) / BLOCK; x++)
-          ck_assert_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
-                         "seed %u: block %" PRIu64 " %s after coalescing",
-                         seed, x, cached[x] ? "lost" : "appeared");
+          check_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
+                     "seed %u: block %" PRIu64 " %s after coalescing",
+                     seed, x, cached[x] ? "lost" : "appeared");
     }
     verify_all_hits (&f, shadow, backing);
     fixture_close (&f);
@@ -1884,9 +1894,9 @@ START_TEST (test_checkpoint_concurrent_changes)
       for (unsigned i = 0; i < n; i++)
         for (uint64_t x = e[i].offset / BLOCK;
              x < (e[i].offset + e[i].len) / BLOCK; x++)
-          ck_assert_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
-                         "seed %u round %d: block %" PRIu64 " %s", seed, round,
-                         x, cached[x] ? "lost" : "appeared");
+          check_msg ((e[i].kind == BCF_EXTENT_HIT) == cached[x],
+                     "seed %u round %d: block %" PRIu64 " %s", seed, round,
+                     x, cached[x] ? "lost" : "appeared");
     }
     verify_all_hits (&f, shadow, nblocks * BLOCK);
     fixture_close (&f);
