@@ -67,6 +67,11 @@ for c, j, name, rnd in rows:
         r["gc"] = e["gc_passes"] - e0["gc_passes"]
         r["keys"] = e["btree_keys"]
         r["nodes"] = e["btree_nodes"]
+        # The share of the run's reads served by the cache: a run that
+        # re-reads what the run before it cached shows it here (stop 37).
+        hits = e["cache_hits"] - e0["cache_hits"]
+        reads = hits + e["cache_misses"] - e0["cache_misses"]
+        r["hit"] = f"{100 * hits / reads:.0f} %" if reads else "–"
         for k, stat in (("slice", "gc_slice_locked"),
                         ("ckpt", "checkpoint_locked"),
                         ("wait", "lookup_lock_wait"),
@@ -144,11 +149,11 @@ if gcp:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
-print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | reads that hit | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:
-        print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['slice']} | "
+        print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['hit']} | {r['slice']} | "
               f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} | {r['jpf']} | {r['pw']} | {r['mark']} | {r['cw']} | {r['lw']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
