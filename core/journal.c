@@ -306,6 +306,7 @@ journal_write_locked (struct bcf_cache *c, bool meta)
   j->bucket_seq[bucket] = seq;
   pthread_mutex_unlock (&j->lock);
 
+  r = 0;
   if (preflush) {
     uint64_t tf = bcf_now_ns ();
 
