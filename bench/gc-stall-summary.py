@@ -149,7 +149,7 @@ if gcp:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | reads that hit | GC slice lock hold | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | reads that hit | GC lock hold (a leaf) | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
 print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:

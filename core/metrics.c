@@ -272,8 +272,8 @@ struct getter {
   X (checkpoint, TIME, NS, ENGINE, 0, TIME (cache.checkpoint), N_CACHE,     \
      "Checkpoints (the btree written, a new root committed).")              \
   X (gc_slice_locked, TIME, NS, ENGINE, 0, TIME (cache.gc_slice_locked),    \
-     N_CACHE, "How long each garbage collection slice held the index "      \
-     "lock.")                                                               \
+     N_CACHE, "How long garbage collection held the index lock, each "      \
+     "hold (one leaf of a slice).")                                         \
   X (checkpoint_locked, TIME, NS, ENGINE, 0, TIME (cache.ckpt_locked),      \
      N_CACHE, "How long each of a checkpoint's two holds of the index "     \
      "lock lasted.")                                                        \

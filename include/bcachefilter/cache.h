@@ -586,10 +586,11 @@ struct bcf_cache_stats {
   uint64_t device_errors;
   struct bcf_time_stat gc, btree_split, journal_write, alloc_wait,
                        checkpoint;
-  /* How long the btree lock was held for writing: by each GC slice, and
-   * by each of a checkpoint's two holds (the snapshot, the release of
-   * dead buckets); and how long a foreground lookup that found it taken
-   * waited for it (uncontended lookups are not timed).  update_locked:
+  /* How long the btree lock was held for writing: by GC (a hold per leaf
+   * of a slice), and by each of a checkpoint's two holds (the snapshot,
+   * the release of dead buckets); and how long a foreground lookup that
+   * found it taken waited for it (uncontended lookups are not timed).
+   * update_locked:
    * each other hold for writing (inserts, replaces, clean marks, intent
    * marks, loads and evictions of nodes). */
   struct bcf_time_stat gc_slice_locked, ckpt_locked, lookup_lock_wait;

@@ -2113,8 +2113,9 @@ END_TEST
 
 /* GC's slice rule (core/gc.c): while a client request is in the engine,
  * a slice walks nodes_min nodes; when none is, max(nodes_min, nodes /
- * idle_div).  The rule's constants are lowered (1 and 4) so that a tree
- * of a few dozen leaves shows the difference.  A read miss is held in
+ * idle_div); either way it holds the index lock for one node at a time.
+ * The rule's constants are lowered (1 and 4) so that a tree of a few
+ * dozen leaves shows the difference.  A read miss is held in
  * flight at the backing store by a gate while a pass runs; a second pass
  * runs idle.  Without the request path counting itself in (IN_FLIGHT in
  * core/request.c) the loaded pass walks idle-sized slices and this
@@ -2196,6 +2197,17 @@ START_TEST (gc_slices_shrink_under_load)
                  st.gc_slice_nodes_max <= st0.btree_nodes / 4 + 1,
                  "idle slices of %" PRIu64 " nodes, %" PRIu64 " nodes in all",
                  st.gc_slice_nodes_max, st0.btree_nodes);
+  /* A slice takes the index lock for one node at a time (gc_next_leaf):
+   * a hold per node walked, so more holds than slices.  With the lock
+   * held across a slice, one hold per slice. */
+  ck_assert_msg (st.gc_slice_locked.count - st0.gc_slice_locked.count >=
+                 st.gc_nodes - st0.gc_nodes &&
+                 st.gc_slice_locked.count - st0.gc_slice_locked.count >
+                 st.gc_slices - st0.gc_slices,
+                 "GC held the index lock %" PRIu64 " times for %" PRIu64
+                 " nodes in %" PRIu64 " slices",
+                 st.gc_slice_locked.count - st0.gc_slice_locked.count,
+                 st.gc_nodes - st0.gc_nodes, st.gc_slices - st0.gc_slices);
   ck_assert_uint_eq (st.requests_in_flight, 0);
   fx_free (&f);
 }
