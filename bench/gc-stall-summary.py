@@ -76,14 +76,15 @@ for c, j, name, rnd in rows:
                         ("ckpt", "checkpoint_locked"),
                         ("wait", "lookup_lock_wait"),
                         ("upd", "update_locked"),
+                        ("uwait", "update_lock_wait"),
                         ("mark", "intent_mark"),
                         ("jw", "journal_write"),
                         ("jpf", "journal_preflush"),
                         ("pw", "prio_write"),
                         ("cw", "cache_write"),
                         ("lw", "latency_write")):
-            # (update_locked, intent_mark, cache_write, journal_preflush,
-            # prio_write are newer than some saved runs.)
+            # (update_locked, update_lock_wait, intent_mark, cache_write,
+            # journal_preflush, prio_write are newer than some saved runs.)
             r[k] = in_run(e[stat], e0[stat]) if stat in e else "–"
     res[(c, j, int(rnd))] = r
 
@@ -149,12 +150,12 @@ if gcp:
 print("Within each bcachefilter run, the longest (ms; a histogram bucket when the")
 print("stat's max was set before the run) and how many (in parentheses):")
 print()
-print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | reads that hit | GC lock hold (a leaf) | checkpoint lock hold | other lock hold | lookup wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
-print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| job |{' round |' if many else ''} front end | GC passes | btree keys / nodes | reads that hit | GC lock hold (a leaf) | checkpoint lock hold | other lock hold | lookup wait for the lock | other wait for the lock | journal write | its preflush | prio write | intent mark | request's cache write | whole write in the engine |")
+print(f"|---|{'---:|' if many else ''}---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for (c, j, rnd), r in res.items():
     if "gc" in r:
         print(f"| {j} |{f' {rnd} |' if many else ''} {c} | {r['gc']} | {r['keys']} / {r['nodes']} | {r['hit']} | {r['slice']} | "
-              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['jw']} | {r['jpf']} | {r['pw']} | {r['mark']} | {r['cw']} | {r['lw']} |")
+              f"{r['ckpt']} | {r['upd']} | {r['wait']} | {r['uwait']} | {r['jw']} | {r['jpf']} | {r['pw']} | {r['mark']} | {r['cw']} | {r['lw']} |")
 print()
 pf = os.path.join(out, "prefill.tsv")
 if os.path.exists(pf):

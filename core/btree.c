@@ -1517,7 +1517,7 @@ snapshot (struct bcf_cache *c, struct ckpt *ck, struct ckey *root,
 {
   int r;
 
-  tree_wrlock (c);
+  tree_wrlock_timing (c, NULL);
   /* From the first open set taken until this checkpoint commits, a
    * removal that is in no open set may still be undurable (see
    * tree.ckpt_uncommitted). */
@@ -1663,7 +1663,7 @@ btree_checkpoint (struct bcf_cache *c)
   }
 
   /* Phase 4: buckets freed before this snapshot are unreachable now. */
-  tree_wrlock (c);
+  tree_wrlock_timing (c, NULL);
   for (i = j = 0; i < c->tree.ndead; i++) {
     if (c->tree.dead[i].epoch <= epoch)
       alloc_release_meta (c, c->tree.dead[i].bucket);

@@ -539,6 +539,7 @@ bcf_cache_stats (struct bcf_cache *c, struct bcf_cache_stats *st)
   st->ckpt_locked = c->stats.ckpt_locked;
   st->lookup_lock_wait = c->stats.lookup_lock_wait;
   st->update_locked = c->stats.update_locked;
+  st->update_lock_wait = c->stats.update_lock_wait;
   st->intent_mark = c->stats.intent_mark;
   st->cache_write = c->stats.cache_write;
   st->journal_preflush = c->stats.journal_preflush;
@@ -559,7 +560,8 @@ bcf_cache_clear_time_stats (struct bcf_cache *c)
     &c->stats.gc, &c->stats.btree_split, &c->stats.journal_write,
     &c->stats.alloc_wait, &c->stats.checkpoint, &c->stats.ckpt_locked,
     &c->stats.gc_slice_locked, &c->stats.lookup_lock_wait,
-    &c->stats.update_locked, &c->stats.intent_mark, &c->stats.cache_write,
+    &c->stats.update_locked, &c->stats.update_lock_wait,
+    &c->stats.intent_mark, &c->stats.cache_write,
     &c->stats.journal_preflush, &c->stats.prio_write,
   };
 

@@ -369,7 +369,7 @@ gc_next_leaf (struct bcf_cache *c, struct gc_pass *p, uint64_t *inode,
   struct btree_node *n;
   int r;
 
-  tree_wrlock (c);
+  tree_wrlock_timing (c, NULL);
   n = btree_find_leaf (c, *inode, *pos + 1);
   if (!n) {
     tree_wrunlock_into (c, &c->stats.gc_slice_locked);

@@ -282,6 +282,9 @@ struct getter {
   X (update_locked, TIME, NS, ENGINE, 0, TIME (cache.update_locked),        \
      N_CACHE, "How long each other hold of the index lock for writing "     \
      "lasted (inserts, replaces, clean marks, node loads).")                \
+  X (update_lock_wait, TIME, NS, ENGINE, 0, TIME (cache.update_lock_wait),  \
+     N_CACHE, "How long those writers that found the index lock taken "     \
+     "waited.")                                                             \
   X (intent_mark, TIME, NS, ENGINE, 0, TIME (cache.intent_mark), N_CACHE,   \
      "How long marking a write-intent region durably took (the write "      \
      "that needed it waited).")                                             \

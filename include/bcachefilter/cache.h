@@ -590,11 +590,11 @@ struct bcf_cache_stats {
    * of a slice), and by each of a checkpoint's two holds (the snapshot,
    * the release of dead buckets); and how long a foreground lookup that
    * found it taken waited for it (uncontended lookups are not timed).
-   * update_locked:
-   * each other hold for writing (inserts, replaces, clean marks, intent
-   * marks, loads and evictions of nodes). */
+   * update_locked: each other hold for writing (inserts, replaces, clean
+   * marks, intent marks, loads and evictions of nodes); update_lock_wait:
+   * how long those writers waited for it when they found it taken. */
   struct bcf_time_stat gc_slice_locked, ckpt_locked, lookup_lock_wait;
-  struct bcf_time_stat update_locked;
+  struct bcf_time_stat update_locked, update_lock_wait;
   /* Each write-intent region marked: the time until the mark was durable
    * (the superblock's feature bit when it was off, the mark's journal
    * write), which the write that needed it waited. */

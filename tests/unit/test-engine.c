@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -710,6 +711,104 @@ START_TEST (test_preflush_and_prio_time_stats)
   ck_assert_uint_eq (st0.prio_write.count, st.prio_write.count + 1);
   /* The prio write's own journal entry (metadata: a preflush too). */
   ck_assert_uint_gt (st0.journal_preflush.count, st.journal_preflush.count);
+  fixture_free (&f);
+  free (data);
+}
+END_TEST
+
+/* A thread that takes the index lock through the engine (test_lock_waits
+ * _timed): a lookup, or an invalidation (a whiteout's insert). */
+struct lock_waiter {
+  struct fixture *f;
+  bool lookup;
+  _Atomic pid_t tid;
+  int r;
+};
+
+static void *
+lock_waiter_thread (void *arg)
+{
+  struct lock_waiter *w = arg;
+  struct bcf_extent e;
+  unsigned n;
+
+  atomic_store (&w->tid, gettid ());
+  w->r = w->lookup ? bcf_lookup (w->f->c, 0, BLOCK, &e, 1, &n)
+                   : bcf_invalidate (w->f->c, 0, BLOCK, false);
+  return NULL;
+}
+
+/* Wait (up to 10 s) until thread tid sleeps in futex(2): with the index
+ * lock held by the test and no other lock held, it waits for that lock. */
+static bool
+blocked_in_futex (pid_t tid)
+{
+  char path[64], line[64];
+
+  snprintf (path, sizeof path, "/proc/self/task/%d/syscall", (int) tid);
+  for (unsigned i = 0; i < 10000; i++) {
+    FILE *fp = fopen (path, "r");
+    bool in = false;
+
+    if (fp) {
+      in = fgets (line, sizeof line, fp) && atoi (line) == SYS_futex;
+      fclose (fp);
+    }
+    if (in)
+      return true;
+    usleep (1000);
+  }
+  return false;
+}
+
+/* Run a lock_waiter against the index lock held by the test (for
+ * writing if w->lookup, else for reading), and let it go once it waits. */
+static void
+make_wait (struct fixture *f, bool lookup)
+{
+  struct lock_waiter w = { .f = f, .lookup = lookup };
+  pthread_t t;
+
+  if (lookup)
+    pthread_rwlock_wrlock (&f->c->tree_lock);
+  else
+    pthread_rwlock_rdlock (&f->c->tree_lock);
+  ck_assert_int_eq (pthread_create (&t, NULL, lock_waiter_thread, &w), 0);
+  while (atomic_load (&w.tid) == 0)
+    usleep (1000);
+  ck_assert_msg (blocked_in_futex (atomic_load (&w.tid)),
+                 "the %s never waited for the index lock",
+                 lookup ? "lookup" : "invalidation");
+  pthread_rwlock_unlock (&f->c->tree_lock);
+  pthread_join (t, NULL);
+  ck_assert_int_eq (w.r, 0);
+}
+
+/* The index lock's waits are timed: a lookup that found it held for
+ * writing (lookup_lock_wait), and a writer that found it held at all
+ * (update_lock_wait: the rwlock prefers readers, so lookups can keep an
+ * insert waiting).  Without the timing in tree_wrlock, update_lock_wait
+ * stays 0. */
+START_TEST (test_lock_waits_timed)
+{
+  struct fixture f;
+  struct bcf_cache_stats st0, st;
+
+  uint8_t *data = calloc (1, BLOCK);
+
+  fixture_init (&f, "lockwait.img", 16 << 20, 16 << 20, 256);
+  fixture_open (&f);
+  /* Something to invalidate: an empty range needs no whiteout. */
+  ck_assert_int_eq (bcf_insert (f.c, 0, BLOCK, data, false, false), 0);
+  bcf_cache_stats (f.c, &st0);
+  make_wait (&f, false);
+  bcf_cache_stats (f.c, &st);
+  ck_assert_uint_gt (st.update_lock_wait.count, st0.update_lock_wait.count);
+  ck_assert_uint_gt (st.update_lock_wait.max_ns, 0);
+  make_wait (&f, true);
+  bcf_cache_stats (f.c, &st0);
+  ck_assert_uint_eq (st0.lookup_lock_wait.count,
+                     st.lookup_lock_wait.count + 1);
   fixture_free (&f);
   free (data);
 }
@@ -2395,6 +2494,7 @@ engine_suite (void)
   add (s, "intent_recover_evicted", test_intent_recover_evicted);
   add (s, "intent_recover_fills_journal", test_intent_recover_fills_journal);
   add (s, "preflush_and_prio_time_stats", test_preflush_and_prio_time_stats);
+  add (s, "lock_waits_timed", test_lock_waits_timed);
   add (s, "intent_recover_moves_every_leaf",
        test_intent_recover_moves_every_leaf);
   add (s, "nospace_write_invalidates_durably",
