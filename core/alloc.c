@@ -248,21 +248,6 @@ invalidate_one (struct alloc_state *a, uint64_t bi)
   fifo_push (&a->free_inc, bi);
 }
 
-int
-bcf_cache_test_invalidate_bucket (struct bcf_cache *c, uint64_t b)
-{
-  struct alloc_state *a = &c->alloc;
-  int r = -EBUSY;
-
-  pthread_mutex_lock (&a->lock);
-  if (b < a->nbuckets && can_invalidate (&a->buckets[b])) {
-    invalidate_one (a, b);
-    r = 0;
-  }
-  pthread_mutex_unlock (&a->lock);
-  return r;
-}
-
 /* lru score: lower goes first. */
 static uint64_t
 lru_score (const struct bucket *b, unsigned min_prio)

@@ -501,10 +501,6 @@ struct gc_state {
   /* Test hook: called between slices with the pass's progress. */
   void (*slice_hook) (struct bcf_cache *c, unsigned slice, void *opaque);
   void *slice_hook_opaque;
-  /* Test hook: called after a leaf was marked from its shared keys,
-   * without the lock, before its stale keys are dropped (gc_next_leaf). */
-  void (*marked_hook) (struct bcf_cache *c, void *opaque);
-  void *marked_hook_opaque;
 };
 
 /* fsck.c: bcf_cache_fsck (bcachefilter/inspect.h). */
@@ -513,10 +509,6 @@ struct gc_state {
  * further I/O). */
 struct bcf_io *bcf_cache_test_io (struct bcf_cache *c);
 int bcf_cache_test_crash (struct bcf_cache *c, uint64_t seed, int mode);
-/* Test hook: invalidate bucket b now, as the allocator would when it
- * reclaims it (every pointer into it goes stale); -EBUSY where the
- * allocator could not (alloc.c's can_invalidate). */
-int bcf_cache_test_invalidate_bucket (struct bcf_cache *c, uint64_t b);
 
 int gc_init (struct bcf_cache *c);
 /* Ask for a GC pass (wakes the GC thread; a no-op without threads). */

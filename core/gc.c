@@ -18,10 +18,9 @@
  *   nodes / 128) when idle; between slices it sleeps 10 ms when someone
  *   waits for a bucket, else 100 ms (bcache 6.19).  bcf_gc_run (tests,
  *   tools) does not sleep.  A slice takes the btree lock for one leaf at
- *   a time, and marks the leaf's keys without it, from a copy-on-write
- *   reference (gc_next_leaf): a request waits for microseconds of GC's
- *   work at most (at 5M keys slices of 10 leaves had held it 0.5-4 ms,
- *   once 20 ms, and one leaf's marking up to 9 ms).  "In flight" is c->inflight,
+ *   a time (gc_next_leaf), so a request waits for one leaf's marking at
+ *   most, not for a slice's (at 5M keys slices of 10 leaves had held it
+ *   0.5-4 ms, once 20 ms, and lookups had waited up to 8 ms).  "In flight" is c->inflight,
  *   which request.c's entry points count (bcf_inflight); a request that
  *   arrives during a slice is felt from the next one.  Each hold of the
  *   lock is timed (gc_slice_locked) and each slice's size recorded
@@ -45,9 +44,8 @@
  * to four).  Moving GC, which bcache leaves off by default, is
  * movinggc.c's: the writeback thread runs it between its batches.
  *
- * Locking: gc.lock protects the request flag and the shadow arrays; a
- * leaf is found, coalesced and shared under tree_lock for writing, marked
- * without it, and rid of its stale keys under it again (the slice's size
+ * Locking: gc.lock protects the request flag and the shadow arrays; each
+ * leaf of a slice is walked under tree_lock for writing (the slice's size
  * is read under it for reading); marks are applied under alloc.lock.
  * The in-flight count (bcf_inflight_enter / _leave, here because the
  * slice rule is its reader) is relaxed atomics, one shard per thread;
@@ -165,15 +163,14 @@ mark_bucket (struct gc_pass *p, uint64_t b, uint8_t mark, uint64_t sectors)
   p->used[b] += (uint32_t) sectors;
 }
 
-/* A leaf's stale keys, in key order, as the walk saw them
- * (gc_next_leaf). */
+/* The whiteouts of a leaf's stale keys, in key order (gc_leaf). */
 struct stale_keys {
-  struct ckey *k;
+  struct ckey *w;
   size_t n, cap, next;
   struct bcf_cache *c;
 };
 
-/* Mark k's bucket, or, if its pointer is stale, add k to st. */
+/* Mark k's bucket, or, if its pointer is stale, add k's whiteout to st. */
 static int
 gc_key (struct bcf_cache *c, struct gc_pass *p, const struct ckey *k,
         struct stale_keys *st)
@@ -193,33 +190,30 @@ gc_key (struct bcf_cache *c, struct gc_pass *p, const struct ckey *k,
   }
   if (st->n == st->cap) {
     size_t cap = st->cap ? 2 * st->cap : 64;
-    struct ckey *w = realloc (st->k, cap * sizeof *w);
+    struct ckey *w = realloc (st->w, cap * sizeof *w);
 
     if (!w)
       return -ENOMEM;
-    st->k = w;
+    st->w = w;
     st->cap = cap;
   }
-  st->k[st->n++] = *k;
+  st->w[st->n++] = ckey_make (ckey_inode (k), ckey_end (k), ckey_size (k),
+                              false, 0, false);
   return 0;
 }
 
-static bool
-same_key (const struct ckey *a, const struct ckey *b)
-{
-  return a->high == b->high && a->low == b->low && a->ptr == b->ptr;
-}
-
-/* keyset_remove_if's rule: drop exactly the keys in st (all of which the
- * leaf holds, unchanged: drop_stale_locked), walking both in key order
- * (keys of a leaf never overlap). */
+/* keyset_remove_if's rule: drop exactly the keys gc_leaf found stale,
+ * those whose range is the next whiteout's (the walk sees the same keys
+ * in the same order: tree_lock is held throughout, and a gen that moved
+ * meanwhile does not change the list; keys of a leaf never overlap). */
 static int
 drop_stale (const struct ckey *k, void *arg)
 {
   struct stale_keys *st = arg;
   struct bcf_cache *c = st->c;
 
-  if (st->next >= st->n || !same_key (k, &st->k[st->next]))
+  if (st->next >= st->n || ckey_cmp (k, &st->w[st->next]) != 0 ||
+      ckey_size (k) != ckey_size (&st->w[st->next]))
     return 0;
   st->next++;
   /* A bucket holding a key that is dirty in memory is never invalidated
@@ -240,49 +234,31 @@ drop_stale (const struct ckey *k, void *arg)
   return 1;
 }
 
-/* Drop the stale keys the walk of leaf n found: a whiteout for each goes
- * into the node's open set, so the removal reaches the disk at the next
+/* Mark one leaf and drop its stale keys: a whiteout for each goes into
+ * the node's open set, so the removal reaches the disk at the next
  * checkpoint, and the keys leave the leaf.
- *
- * Only the keys n still holds as the walk saw them: the walk may have
- * read a snapshot (gc_next_leaf), and a key overwritten or removed since
- * is not GC's to drop; one that is still there is still stale (a gen
- * only moves on).  A stale key left behind (the leaf split or was
- * evicted since) is harmless: a stale pointer is never served, and the
- * next pass drops it.
  *
  * Both in one pass over each set (keyset_insert_batch, keyset_remove_if).
  * One keyset_insert per stale key, into the open set and into the leaf,
  * moved up to half of each set every time: a pass over leaves whose
  * buckets the allocator had reclaimed held the tree lock 3-13 ms per
- * slice in a 256 MiB cache, 0.6-1.5 ms this way.  The whiteouts go in
- * first: should that fail, the leaf keeps its stale keys for the next
- * pass, where removing them from memory first could have let last_gc
- * pass a gen still on disk.  Under tree_lock (write). */
+ * slice in a 256 MiB cache, 0.6-1.5 ms this way (and every lookup
+ * waits for a slice).  The whiteouts go in first: should that fail, the
+ * leaf keeps its stale keys (harmless: a stale pointer is never served)
+ * for the next pass, where removing them from memory first could have
+ * let last_gc pass a gen still on disk.  Under tree_lock (write). */
 static int
-drop_stale_locked (struct bcf_cache *c, struct btree_node *n,
-                   struct stale_keys *st)
+gc_leaf (struct bcf_cache *c, struct gc_pass *p, struct btree_node *n)
 {
-  struct ckey *w;
-  size_t m = 0;
-  int r;
+  struct stale_keys st = { .c = c };
+  int r = 0;
 
-  for (size_t i = 0; i < st->n; i++)
-    if (keyset_contains (&n->keys, &st->k[i]))
-      st->k[m++] = st->k[i];
-  st->n = m;
-  st->next = 0;
-  if (m == 0)
-    return 0;
-  if (!(w = malloc (m * sizeof *w)))
-    return -ENOMEM;
-  for (size_t i = 0; i < m; i++)
-    w[i] = ckey_make (ckey_inode (&st->k[i]), ckey_end (&st->k[i]),
-                      ckey_size (&st->k[i]), false, 0, false);
-  r = keyset_insert_batch (&n->open, w, m);
-  if (r == 0)
-    r = keyset_remove_if (&n->keys, drop_stale, st);
-  free (w);
+  for (size_t i = 0; i < n->keys.nr && r == 0; i++)
+    r = gc_key (c, p, &n->keys.k[i], &st);
+  if (r == 0 && st.n > 0 &&
+      (r = keyset_insert_batch (&n->open, st.w, st.n)) == 0)
+    r = keyset_remove_if (&n->keys, drop_stale, &st);
+  free (st.w);
   return r;
 }
 
@@ -381,32 +357,16 @@ note_slice (struct bcf_cache *c, uint64_t nodes, bool busy)
  * with its right sibling if both are sparse, marked and rid of its stale
  * keys, and the cursor moves past it (*done after the last leaf).  If
  * the leaf is evicted, it is read back instead and the cursor stays.
- *
- * The lock.  tree_lock is held for writing only to find and coalesce the
- * leaf and take a reference to its keys (keyset_share: O(1)), and again,
- * if the walk found stale keys, to drop them (drop_stale_locked).  The
- * marking itself, a few hundred us for a leaf of thousands of keys, runs
- * on the shared array without the lock: nothing writes a shared array
- * (a change of the leaf meanwhile copies it first, bset.h), and marking
- * the leaf as it was when shared is what a slice of that one leaf at
- * that moment would have done; keys that come in later are the ones the
- * pass already leaves to pass_finish's rules, as between any two
- * slices.  So a lookup or an insert during GC waits for microseconds of
- * GC's work, not for a leaf's marking, and never for a GC thread that
- * the scheduler took off the CPU while it marked (at 5M keys under
- * QD16, holds of a whole leaf still reached 4-9 ms that way).  Without
- * memory for the reference, the leaf is marked under the lock.
- * gc_slice_locked times each hold. */
+ * Takes tree_lock for writing and releases it before returning: a slice
+ * holds it for one leaf at a time, so a lookup or an insert that arrives
+ * during a slice waits for one leaf's marking (gc_slice_locked times
+ * each hold), not for the whole slice.  Nothing carries over between
+ * the holds but the cursor, as between slices. */
 static int
 gc_next_leaf (struct bcf_cache *c, struct gc_pass *p, uint64_t *inode,
               uint64_t *pos, bool *done)
 {
-  struct stale_keys st = { .c = c };
-  struct keyset_share *sh;
-  const struct ckey *keys;
   struct btree_node *n;
-  struct ckey leaf;
-  size_t nr;
   int r;
 
   tree_wrlock_timing (c, NULL);
@@ -429,49 +389,20 @@ gc_next_leaf (struct bcf_cache *c, struct gc_pass *p, uint64_t *inode,
     n = btree_find_leaf (c, *inode, *pos + 1);
     r = n ? 0 : -EIO;
   }
-  if (r < 0) {
-    tree_wrunlock_into (c, &c->stats.gc_slice_locked);
-    return r;
-  }
-  leaf = n->key;
-  sh = keyset_share (&n->keys);
-  keys = n->keys.k;
-  nr = n->keys.nr;
-  if (sh)
-    tree_wrunlock_into (c, &c->stats.gc_slice_locked);
-
-  for (size_t i = 0; i < nr && r == 0; i++)
-    r = gc_key (c, p, &keys[i], &st);
-
-  if (sh) {
-    keyset_share_put (sh);
-    if (c->gc.marked_hook)
-      c->gc.marked_hook (c, c->gc.marked_hook_opaque);
-    if (r == 0 && st.n > 0) {
-      tree_wrlock_timing (c, NULL);
-      n = btree_find_leaf (c, *inode, *pos + 1);
-      if (n && !n->evicted)
-        r = drop_stale_locked (c, n, &st);
-      tree_wrunlock_into (c, &c->stats.gc_slice_locked);
+  if (r == 0)
+    r = gc_leaf (c, p, n);
+  if (r == 0) {
+    p->nodes++;
+    if (ckey_inode (&n->key) == BKEY_MAX_INODE &&
+        ckey_end (&n->key) == BKEY_MAX_OFFSET)
+      *done = true;
+    else {
+      *inode = ckey_inode (&n->key);
+      *pos = ckey_end (&n->key);
     }
   }
-  else {
-    if (r == 0 && st.n > 0)
-      r = drop_stale_locked (c, n, &st);
-    tree_wrunlock_into (c, &c->stats.gc_slice_locked);
-  }
-  free (st.k);
-  if (r < 0)
-    return r;
-  p->nodes++;
-  if (ckey_inode (&leaf) == BKEY_MAX_INODE &&
-      ckey_end (&leaf) == BKEY_MAX_OFFSET)
-    *done = true;
-  else {
-    *inode = ckey_inode (&leaf);
-    *pos = ckey_end (&leaf);
-  }
-  return 0;
+  tree_wrunlock_into (c, &c->stats.gc_slice_locked);
+  return r;
 }
 
 /* Run a pass.  With pace, sleep between slices as described above. */

@@ -1332,88 +1332,6 @@ START_TEST (test_model_eviction)
 END_TEST
 
 
-/* test_gc_keeps_key_written_during_marking's marked hook: block 0
- * written anew, once, while GC holds no lock between marking a leaf and
- * dropping the leaf's stale keys. */
-struct rewrite {
-  const uint8_t *data;
-  unsigned calls;
-  int r;
-};
-
-static void
-rewrite_hook (struct bcf_cache *c, void *opaque)
-{
-  struct rewrite *w = opaque;
-
-  if (w->calls++ == 0)
-    w->r = bcf_insert (c, 0, BLOCK, w->data, false, false);
-}
-
-/* Is block 0 cached with want's data? */
-static bool
-block0_holds (struct fixture *f, const uint8_t *want)
-{
-  uint8_t got[BLOCK];
-  struct bcf_extent e;
-  unsigned n;
-
-  ck_assert_int_eq (bcf_lookup (f->c, 0, BLOCK, &e, 1, &n), 0);
-  return n == 1 && e.kind == BCF_EXTENT_HIT && e.len == BLOCK &&
-         bcf_read_hit (f->c, &e, got) == 0 && memcmp (got, want, BLOCK) == 0;
-}
-
-/* GC marks a leaf from a shared reference to its keys, without the lock,
- * and then drops the stale keys it found (gc_next_leaf).  A key written
- * over a stale one in between is not stale: GC must keep it, in memory
- * and on disk (no whiteout for it in the node's log).  Here block 0's
- * bucket is invalidated, so its key is stale when GC marks it; the hook
- * writes block 0 again (a new key with the same range) before the drop.
- * Dropping by range, as a walk under the lock could, drops the new key:
- * a miss, and after a restart too. */
-START_TEST (test_gc_keeps_key_written_during_marking)
-{
-  struct fixture f;
-  uint8_t *a = malloc (BLOCK), *b = malloc (BLOCK);
-  struct rewrite w = { .data = b };
-  struct bcf_extent e;
-  unsigned n;
-
-  memset (a, 0xa1, BLOCK);
-  memset (b, 0xb2, BLOCK);
-  fixture_init (&f, "gcrewrite.img", 64 << 20, 16 << 20, 256);
-  fixture_open (&f);
-  /* Every other block (no two keys merge), more than a 128 KiB bucket
-   * holds, so that block 0's bucket is closed and GC can mark it. */
-  for (uint64_t blk = 0; blk < 256; blk += 2)
-    ck_assert_int_eq (bcf_insert (f.c, blk * BLOCK, BLOCK, a, false, false),
-                      0);
-  ck_assert (block0_holds (&f, a));
-  ck_assert_int_eq (bcf_lookup (f.c, 0, BLOCK, &e, 1, &n), 0);
-  ck_assert_int_eq (bcf_gc_run (f.c), 0);
-  ck_assert_int_eq (bcf_cache_test_invalidate_bucket
-                    (f.c, bucket_of_ptr (f.c, e.ptr)), 0);
-  ck_assert (!block0_holds (&f, a));            /* stale */
-
-  f.c->gc.marked_hook = rewrite_hook;
-  f.c->gc.marked_hook_opaque = &w;
-  ck_assert_int_eq (bcf_gc_run (f.c), 0);
-  f.c->gc.marked_hook = NULL;
-  ck_assert_uint_ge (w.calls, 1);
-  ck_assert_int_eq (w.r, 0);
-  ck_assert_msg (block0_holds (&f, b), "GC dropped the key written while it "
-                 "marked the leaf");
-  fixture_close (&f);
-  f.opts.format = BCF_FORMAT_NEVER;
-  fixture_open (&f);
-  ck_assert_msg (block0_holds (&f, b), "after a restart the key written "
-                 "while GC marked the leaf is gone (a whiteout in the log)");
-  fixture_free (&f);
-  free (a);
-  free (b);
-}
-END_TEST
-
 /* GC does not block allocation: a GC pass paused half way (between two
  * slices, by a test hook) while foreground writes need more buckets than
  * the free lists hold; they must succeed (the allocator keeps
@@ -2597,8 +2515,6 @@ engine_suite (void)
   add (s, "model_eviction", test_model_eviction);
   add (s, "threads", test_threads);
   add (s, "gc_coalesce", test_gc_coalesce);
-  add (s, "gc_keeps_key_written_during_marking",
-       test_gc_keeps_key_written_during_marking);
   add (s, "read_race_stale", test_read_race_stale);
   add (s, "node_cache_bound_readonly", test_node_cache_bound_readonly);
   add (s, "open_progress", test_open_progress);
