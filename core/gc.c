@@ -19,13 +19,15 @@
  *   waits for a bucket, else 100 ms (bcache 6.19).  bcf_gc_run (tests,
  *   tools) does not sleep.  A slice takes the btree lock for one leaf at
  *   a time (gc_next_leaf), so a request waits for one leaf's marking at
- *   most, not for a slice's (at 5M keys slices of 10 leaves had held it
- *   0.5-4 ms, once 20 ms, and lookups had waited up to 8 ms).  "In flight" is c->inflight,
- *   which request.c's entry points count (bcf_inflight); a request that
- *   arrives during a slice is felt from the next one.  Each hold of the
- *   lock is timed (gc_slice_locked) and each slice's size recorded
- *   (gc_slice_nodes_last/_max, gc_slices_busy), so the cost of GC can be
- *   seen from ctl stats.
+ *   most, not for a slice's: at 5M keys a busy slice of 10 leaves had
+ *   held it up to 16 ms, and an idle slice is nodes / 128 leaves.
+ *   (Marking a leaf without the lock, from a copy-on-write reference,
+ *   was tried and reverted: stop 38 in docs/BENCHMARKS.md.)  "In flight"
+ *   is c->inflight, which request.c's entry points count (bcf_inflight);
+ *   a request that arrives during a slice is felt from the next one.
+ *   Each hold of the lock is timed (gc_slice_locked) and each slice's
+ *   size recorded (gc_slice_nodes_last/_max, gc_slices_busy), so the
+ *   cost of GC can be seen from ctl stats.
  *
  * What a pass computes per bucket: the mark (free / clean / dirty /
  * metadata), sectors used, and the oldest gen still referenced (last_gc,

@@ -793,7 +793,6 @@ START_TEST (test_lock_waits_timed)
 {
   struct fixture f;
   struct bcf_cache_stats st0, st;
-
   uint8_t *data = calloc (1, BLOCK);
 
   fixture_init (&f, "lockwait.img", 16 << 20, 16 << 20, 256);
