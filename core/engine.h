@@ -750,6 +750,22 @@ tree_wrlock_timing (struct bcf_cache *c, struct bcf_time_stat *wait)
   c->tree_locked_ns = bcf_now_ns ();
 }
 
+/* A foreground lookup takes tree_lock for reading; when a writer (an
+ * insert, GC, a checkpoint snapshot) has it, the wait is timed
+ * (lookup_lock_wait), as tree_wrlock_timing times a writer's.  The
+ * uncontended case costs one trylock. */
+static inline void
+lookup_rdlock (struct bcf_cache *c)
+{
+  uint64_t t0;
+
+  if (pthread_rwlock_tryrdlock (&c->tree_lock) == 0)
+    return;
+  t0 = bcf_now_ns ();
+  pthread_rwlock_rdlock (&c->tree_lock);
+  bcf_time_record (c, &c->stats.lookup_lock_wait, bcf_now_ns () - t0);
+}
+
 /* For the writers whose holds go to update_locked (tree_wrunlock): their
  * waits go to update_lock_wait.  GC and checkpoints, which run in the
  * background, take it with tree_wrlock_timing (c, NULL). */

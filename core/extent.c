@@ -332,21 +332,6 @@ replace_key (struct bcf_cache *c, const struct ckey *k,
 
 /* ---- reads ------------------------------------------------------------------------ */
 
-/* A foreground lookup takes tree_lock for reading; when a writer (an
- * insert, a GC slice, a checkpoint snapshot) has it, the wait is timed
- * (lookup_lock_wait).  The uncontended case costs one trylock. */
-static void
-lookup_rdlock (struct bcf_cache *c)
-{
-  uint64_t t0;
-
-  if (pthread_rwlock_tryrdlock (&c->tree_lock) == 0)
-    return;
-  t0 = bcf_now_ns ();
-  pthread_rwlock_rdlock (&c->tree_lock);
-  bcf_time_record (c, &c->stats.lookup_lock_wait, bcf_now_ns () - t0);
-}
-
 int
 bcf_lookup (struct bcf_cache *c, uint64_t offset, uint64_t len,
             struct bcf_extent *out, unsigned max, unsigned *n)
