@@ -49,6 +49,13 @@
 #                   reference: a second, higher ceiling.  For hits, the data
 #                   file is read once first, so that it starts in the page
 #                   cache (the cache=none run evicts part of it).
+#     fileshm       (not in the default set) the file plugin on a copy of
+#                   the data in /dev/shm: nbdkit with no device at all, only
+#                   a copy into memory per request and a flush that does
+#                   nothing.  What nbdkit, the client and the kernel cost
+#                   per request before any storage: the floor under every
+#                   config here, for the write workloads most of all.  The
+#                   copy (SIZE of RAM) exists only while its runs do.
 #     qemunbd       qemu-nbd -f raw --persistent --shared=16 --cache=none
 #                   --aio=io_uring on the same local file: a true O_DIRECT
 #                   server, the fair ceiling for bcachefilter's default
@@ -163,7 +170,8 @@
 #              (kept).  Default /var/tmp/filter-bench-results.DATE-TIME.
 #   CONFIGS    subset of: remote proxy qemuproxy cachefilter bcachefilter
 #              bcachefilter-wb bcachefilter-pc bcachefilter-je bcachefilter-none
-#              file filepc qemunbd (default: all but bcachefilter-je)
+#              file filepc fileshm qemunbd (default: all but
+#              bcachefilter-je and fileshm)
 #   JEMALLOC   the library bcachefilter-je preloads (default
 #              libjemalloc.so.2)
 #   WORKLOADS  subset of: hits zipf randrw seqread mixed rmw writes fswrites (default:
@@ -209,8 +217,9 @@ source "$(dirname "$0")/bench-lib.sh"   # die, say, stop_pid, start_server, ...
 SIZE=${SIZE:-1G}
 RUNTIME=${RUNTIME:-20}
 FILTER_SO=${FILTER_SO:-/tmp/b-bench/plugin/.libs/nbdkit-bcachefilter-filter.so}
-ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-wb bcachefilter-pc bcachefilter-je bcachefilter-none file filepc qemunbd"
-CONFIGS=${CONFIGS:-${ALL_CONFIGS/ bcachefilter-je/}}
+ALL_CONFIGS="remote proxy qemuproxy cachefilter bcachefilter bcachefilter-wb bcachefilter-pc bcachefilter-je bcachefilter-none file filepc fileshm qemunbd"
+DEFAULT_CONFIGS=${ALL_CONFIGS/ bcachefilter-je/}
+CONFIGS=${CONFIGS:-${DEFAULT_CONFIGS/ fileshm/}}
 JEMALLOC=${JEMALLOC:-libjemalloc.so.2}
 WORKLOADS=${WORKLOADS:-hits zipf randrw seqread}
 REPEAT=${REPEAT:-1}
@@ -268,6 +277,11 @@ if [[ -n $(LD_PRELOAD=$JEMALLOC true 2>&1) ]]; then
     drop_config bcachefilter-je "LD_PRELOAD=$JEMALLOC does not work"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
+if has_config fileshm; then
+    shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1)
+    [[ ${shm_free:-0} -gt $(( BYTES + BYTES / 4 )) ]] ||
+        drop_config fileshm "/dev/shm has ${shm_free:-no} bytes free, it needs SIZE ($BYTES) and a margin"
+fi
 command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
 
 # ---- work and output directories, cleanup --------------------------------
@@ -277,11 +291,12 @@ RSOCK=$WORKDIR/remote.sock      # the remote
 FSOCK=$WORKDIR/front.sock       # the front end under test
 CTLSOCK=$WORKDIR/ctl.sock
 DATA=$WORKDIR/data.img          # random data: remote's content, file ceiling
+SHMDATA=/dev/shm/filter-bench.$$.data.img   # fileshm's copy, while it runs
 CACHE=$WORKDIR/cache.img        # bcachefilter's cache
 PIDS=()                         # every process we started and not yet reaped
 
 # newest first: fio and perf, then the front end, then the remote
-bench_cleanup_on_exit "$DATA" "$CACHE"
+bench_cleanup_on_exit "$DATA" "$CACHE" "$SHMDATA"
 
 # ---- machine --------------------------------------------------------------
 FSTYPE=$(findmnt -n -o FSTYPE -T "$WORKDIR" 2>/dev/null || stat -f -c %T "$WORKDIR")
@@ -398,6 +413,9 @@ start_front() {
         start_nbdkit "$cfg" "$FSOCK" file "$DATA" cache=none ;;
     filepc)
         start_nbdkit "$cfg" "$FSOCK" file "$DATA" ;;
+    fileshm)
+        cp "$DATA" "$SHMDATA" || die "cannot copy the data to $SHMDATA"
+        start_nbdkit "$cfg" "$FSOCK" file "$SHMDATA" ;;
     qemunbd)
         start_qemu_nbd "$cfg" "$FSOCK" -f raw --persistent --shared=$IODEPTH \
             --cache=none --aio=io_uring "$DATA" ;;
@@ -408,6 +426,7 @@ start_front() {
 stop_front() {
     if [[ -n $FRONT_PID ]]; then stop_pid "$FRONT_PID" 60; fi
     FRONT_PID=
+    rm -f "$SHMDATA"            # fileshm's copy: RAM, only while it runs
 }
 
 is_bcache() { [[ $1 == bcachefilter || $1 == bcachefilter-pc || $1 == bcachefilter-je || $1 == bcachefilter-none || $1 == bcachefilter-wb ]]; }
