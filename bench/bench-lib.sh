@@ -21,7 +21,9 @@
 #   bench_cleanup_on_exit FILE...   the exit trap: stop PIDS newest first,
 #                              then remove WORKDIR if bench_dirs made it,
 #                              else its sockets and the FILEs; KEEP=1
-#                              keeps everything
+#                              keeps everything but the files listed in
+#                              the array BENCH_CLEANUP_ALWAYS, which go
+#                              in every case
 #   settle_disk NAME           before a measured run: write back every
 #                              dirty page of the host (sync), and append
 #                              how much there was to OUTDIR/settle.tsv
@@ -124,6 +126,8 @@ bench_cleanup() {
     if [[ ${KEEP:-0} == 1 ]]; then say "kept WORKDIR $WORKDIR"
     elif [[ ${MADE_WORKDIR:-0} == 1 ]]; then rm -rf "$WORKDIR"
     else rm -f "$WORKDIR"/*.sock "${BENCH_CLEANUP_FILES[@]}"; fi
+    # outside WORKDIR and never kept (filter-bench's copy in /dev/shm: RAM)
+    rm -f ${BENCH_CLEANUP_ALWAYS[@]+"${BENCH_CLEANUP_ALWAYS[@]}"}
     exit "$rc"
 }
 bench_cleanup_on_exit() {

@@ -277,12 +277,12 @@ if [[ -n $(LD_PRELOAD=$JEMALLOC true 2>&1) ]]; then
     drop_config bcachefilter-je "LD_PRELOAD=$JEMALLOC does not work"
 fi
 command -v qemu-nbd >/dev/null || drop_config qemunbd "qemu-nbd is not installed (qemu-utils)"
+command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
 if has_config fileshm; then
     shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1)
     [[ ${shm_free:-0} -gt $(( BYTES + BYTES / 4 )) ]] ||
         drop_config fileshm "/dev/shm has ${shm_free:-no} bytes free, it needs SIZE ($BYTES) and a margin"
 fi
-command -v qemu-nbd >/dev/null || drop_config qemuproxy "qemu-nbd is not installed (qemu-utils)"
 
 # ---- work and output directories, cleanup --------------------------------
 bench_dirs filter-bench
@@ -296,7 +296,8 @@ CACHE=$WORKDIR/cache.img        # bcachefilter's cache
 PIDS=()                         # every process we started and not yet reaped
 
 # newest first: fio and perf, then the front end, then the remote
-bench_cleanup_on_exit "$DATA" "$CACHE" "$SHMDATA"
+BENCH_CLEANUP_ALWAYS=("$SHMDATA")
+bench_cleanup_on_exit "$DATA" "$CACHE"
 
 # ---- machine --------------------------------------------------------------
 FSTYPE=$(findmnt -n -o FSTYPE -T "$WORKDIR" 2>/dev/null || stat -f -c %T "$WORKDIR")
