@@ -295,6 +295,7 @@ struct bcf_req {
   uint64_t fill_enq;            /* seq of the last enqueued fill */
   uint64_t fill_busy[FILL_WORKERS];     /* seq a worker runs, 0 = none */
   bool fill_stop;
+  bool fill_held;               /* tests: workers take nothing (hold_fills) */
   unsigned nworkers;
   pthread_t workers[FILL_WORKERS];
   struct fill_worker_arg { struct bcf_req *r; unsigned idx; }
@@ -522,7 +523,7 @@ fill_worker (void *arg)
     uint64_t bytes;
     unsigned n;
 
-    if (!batch) {
+    if (!batch || (r->fill_held && !r->fill_stop)) {
       if (r->fill_stop)
         break;
       pthread_cond_wait (&r->fill_work, &r->fill_lock);
@@ -1106,6 +1107,15 @@ bcf_req_test_fill_idle_wakeups (struct bcf_req *r)
   n = r->fill_idle_wakeups;
   pthread_mutex_unlock (&r->fill_lock);
   return n;
+}
+
+void
+bcf_req_test_hold_fills (struct bcf_req *r, bool held)
+{
+  pthread_mutex_lock (&r->fill_lock);
+  r->fill_held = held;
+  pthread_cond_broadcast (&r->fill_work);
+  pthread_mutex_unlock (&r->fill_lock);
 }
 
 uint64_t
