@@ -1122,16 +1122,40 @@ bcf_write_release (struct bcf_cache *c, struct bcf_write *w)
   w->ptrs = NULL;
 }
 
-/* ---- writes over clean data, cached after them (bcachefilter/cache.h, bcf_write_over_mark) */
+/* ---- writes over clean data, in parallel (bcachefilter/cache.h, bcf_write_over_begin) - */
 
-/* Can the range be written without dirty keys first: no dirty data in
- * it and none a crash could bring back (btree_range_returns_dirty_locked)?
- * Asked under the write's turn, the answer holds until the write ends:
- * only writes put dirty data into a range, and the tracker orders every
- * other one after this write.  A checkpoint that captures the range
- * meanwhile clears dcopies, but only for what it then commits; asked
- * between its capture and its commit, the question answers yes
- * (ckpt_uncommitted) and the write takes cache_write's way. */
+/* What a write over clean data keeps between its two halves: its pieces'
+ * device writes, in flight during the caller's backing write. */
+struct bcf_write_io {
+  struct bcf_io_pending pending;
+  void *bounce;                 /* aligned copy of the data (w->len), or NULL */
+  unsigned got;                 /* pieces allocated (pinned) */
+  struct bcf_io_seg segs[];
+};
+
+static void
+write_over_free (struct bcf_cache *c, struct bcf_write *w)
+{
+  struct bcf_write_io *wio = w->io;
+
+  if (wio) {
+    for (unsigned i = 0; i < wio->got; i++)
+      alloc_put (c, w->ptrs[i]);
+    bcf_buf_free (wio->bounce, w->len);
+    free (wio);
+  }
+  w->io = NULL;
+  bcf_write_release (c, w);
+}
+
+/* Can the range be written in parallel: no dirty data in it and none a
+ * crash could bring back (btree_range_returns_dirty_locked)?  Asked
+ * under the write's turn, the answer holds until the write ends: only
+ * writes put dirty data into a range, and the tracker orders every other
+ * one after this write.  A checkpoint that captures the range meanwhile
+ * clears dcopies, but only for what it then commits; asked between its
+ * capture and its commit, the question answers yes (ckpt_uncommitted)
+ * and the write takes cache_write's way. */
 static bool
 over_clean_data (struct bcf_cache *c, uint64_t s, uint64_t e)
 {
@@ -1144,34 +1168,33 @@ over_clean_data (struct bcf_cache *c, uint64_t s, uint64_t e)
 }
 
 /* Why the old data may stay in the tree while the backing write runs,
- * and the new data be cached after it, as a fill, unjournalled:
- *  - reads until the check key is in get the old data (or, during the
- *    backing write, hit it): allowed, the write is not acknowledged yet;
- *    the caller lays the check key (bcf_miss_begin) after the backing
- *    write and before it acknowledges the write, so from then on the
- *    range misses and reads the export, which has the new data; a reader's
- *    own miss there caches nothing while the write holds its turn in the
- *    tracker, and after that what the export has, the new data;
- *  - the fill replaces the check key only if it is still there
- *    (bcf_miss_fill): a later write or invalidation wins;
+ * and the new keys go in clean after it, unjournalled:
+ *  - reads meanwhile get the old data or, once the keys are in, the new:
+ *    either is allowed before the write is acknowledged, and it is
+ *    acknowledged only after bcf_write_over_end;
+ *  - a read miss in a part of the range that held nothing lays a check
+ *    key, sees the write in the tracker and caches nothing; the keys
+ *    replace its check key anyway;
  *  - a crash: the range's write-intent regions were marked, durably,
  *    before the backing write, and stay marked until a checkpoint that
  *    began after this write ended has committed (the write holds them
  *    until bcf_write_release).  Recovery drops the clean keys of marked
  *    regions (intent_recover): the old data, whether a checkpoint or the
- *    journal brings it back, and the fill's key, which need not survive.
+ *    journal brings it back, and the new keys, which need not survive.
  *    Dirty data would be kept and written back over the export; there is
  *    none (over_clean_data).  Once the mark is cleared, the committed
- *    checkpoint holds the check key's hole, the fill's key, or what
- *    replaced them since;
+ *    checkpoint holds the new keys or what replaced them since;
  *  - the export barrier: the caller counts its backing write as an
- *    export change before the fill inserts a clean key, as for any
- *    fill, so no checkpoint persists it before the export was flushed. */
+ *    export change before bcf_write_over_end inserts clean keys, as for
+ *    any fill, so no checkpoint persists them before the export was
+ *    flushed. */
 int
-bcf_write_over_mark (struct bcf_cache *c, uint64_t offset, uint64_t len,
-                     struct bcf_write *w)
+bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                      const void *data, struct bcf_write *w)
 {
   uint64_t s, e;
+  struct bcf_write_io *wio;
+  const uint8_t *src;
   int r;
 
   memset (w, 0, sizeof *w);
@@ -1179,12 +1202,59 @@ bcf_write_over_mark (struct bcf_cache *c, uint64_t offset, uint64_t len,
     return r;
   if (c->opts.write_intent_off || !over_clean_data (c, s, e))
     return -EEXIST;
-  if (intent_write_begin (c, s, e) != 0)
+  if ((r = write_init (c, offset, len, w)) < 0)
+    return r;
+  wio = calloc (1, sizeof *wio + w->npieces * sizeof *wio->segs);
+  if (!wio) {
+    bcf_write_release (c, w);
+    return -ENOMEM;
+  }
+  w->io = wio;
+  if (intent_write_begin (c, s, e) != 0) {
+    write_over_free (c, w);
     return -EEXIST;
-  w->offset = offset;
-  w->len = len;
+  }
   w->intent = true;
+  if (!(src = aligned_source (data, len, &wio->bounce))) {
+    write_over_free (c, w);
+    return -ENOMEM;
+  }
+  if ((r = alloc_pieces (c, s, e, src, false, w->ptrs, wio->segs,
+                         &wio->got)) < 0) {
+    write_over_free (c, w);
+    return r;
+  }
+  bcf_io_start (c->io, wio->segs, w->npieces, &wio->pending);
   return 0;
+}
+
+int
+bcf_write_over_end (struct bcf_cache *c, struct bcf_write *w, int backing,
+                    bool *device_failed)
+{
+  struct durability d = { .marked = true };
+  const uint64_t t0 = bcf_now_ns ();
+  int r = bcf_io_finish (&w->io->pending);
+
+  /* What the write waited for the device beyond its backing write. */
+  bcf_time_record (c, &c->stats.cache_write, bcf_now_ns () - t0);
+  *device_failed = r < 0;
+  for (unsigned i = 0; r == 0 && backing == 0 && i < w->npieces; i++) {
+    struct ckey k = write_piece (c, w, i, false);
+
+    r = insert_key (c, &k, JOURNAL_ALWAYS, NULL, &d);
+  }
+  if (r == 0 && backing == 0) {
+    atomic_fetch_add (&c->stats.inserts, 1);
+    write_over_free (c, w);
+    return 1;
+  }
+  /* The backing store may hold the new data, or a part of it: the old
+   * data must go (durably: the marks would drop it after a crash, but
+   * this path is rare enough not to lean on them). */
+  r = bcf_invalidate (c, w->offset, w->len, true);
+  write_over_free (c, w);
+  return r < 0 ? r : 0;
 }
 
 /* ---- writes cached as fills (bcachefilter/cache.h, bcf_write_fill_begin) ------------ */

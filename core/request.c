@@ -76,11 +76,12 @@
  * no cache-device write is in series with the write.
  *
  * Writethrough over clean data the cache holds (write_over): W2 marks
- * the write-intent regions, durably (bcf_write_over_mark); W3 is the
- * backing write; W4 lays a check key, which replaces the old data (it
- * served reads until then), and queues the data as a fill, as write_fill
- * does.  Not where dirty data is in the span or could come back after a
- * crash: there cache_write's dirty keys go first.
+ * the write-intent regions and starts the cache-device write without
+ * waiting (bcf_write_over_begin); W3 runs alongside it; W4 waits for it
+ * and puts the data in as clean keys, replacing the old data, which
+ * served reads until then (bcf_write_over_end).  Not where dirty data is
+ * in the span or could come back after a crash: there cache_write's
+ * dirty keys go first.
  *
  * Writeback mode (should_write_back: bcache's should_writeback and its
  * cutoffs): W1 as above; W2 puts the whole blocks in as dirty keys
@@ -294,7 +295,6 @@ struct bcf_req {
   uint64_t fill_enq;            /* seq of the last enqueued fill */
   uint64_t fill_busy[FILL_WORKERS];     /* seq a worker runs, 0 = none */
   bool fill_stop;
-  bool fill_held;               /* tests: workers take nothing (hold_fills) */
   unsigned nworkers;
   pthread_t workers[FILL_WORKERS];
   struct fill_worker_arg { struct bcf_req *r; unsigned idx; }
@@ -522,7 +522,7 @@ fill_worker (void *arg)
     uint64_t bytes;
     unsigned n;
 
-    if (!batch || (r->fill_held && !r->fill_stop)) {
+    if (!batch) {
       if (r->fill_stop)
         break;
       pthread_cond_wait (&r->fill_work, &r->fill_lock);
@@ -1106,15 +1106,6 @@ bcf_req_test_fill_idle_wakeups (struct bcf_req *r)
   n = r->fill_idle_wakeups;
   pthread_mutex_unlock (&r->fill_lock);
   return n;
-}
-
-void
-bcf_req_test_hold_fills (struct bcf_req *r, bool held)
-{
-  pthread_mutex_lock (&r->fill_lock);
-  r->fill_held = held;
-  pthread_cond_broadcast (&r->fill_work);
-  pthread_mutex_unlock (&r->fill_lock);
 }
 
 uint64_t
@@ -2082,35 +2073,32 @@ write_fill (struct bcf_req *r, const struct bcf_backing *b, struct span s,
   return 1;
 }
 
-/* Writethrough over clean data the cache holds (bcf_write_over_mark):
- * as write_fill, the backing write goes out at once and the data is
- * cached after it as a fill, so the write waits for no cache-device
- * write (cache_write put one in series with it; running it alongside the
- * backing write, as this did before, still made the write wait whenever
- * the device was slower than the export, 17-25 thousand writes a run in
- * bench/gc-stall.sh's QD16 job).  What differs from write_fill: the
- * range holds old data, which a crash could bring back after the backing
- * write, and which reads hit until the write is acknowledged.  So W2
- * marks the write-intent regions (durably: recovery drops the marked
- * regions' clean keys), and at W4 the check key replaces the old data
- * before the write returns; a read after it misses and gets the export's
- * new data (extent.c argues it).  Not taken where the range holds dirty
- * data or a crash could bring some back: there the keys must be on the
- * journal, dirty, before W3.  The partial blocks at the ends are
- * invalidated durably before W3, as cache_write does.  Returns 1 and the
- * write's result in *rc if done; 0 if not taken (the caller goes on with
- * cache_write). */
+/* Writethrough over clean data the cache holds (bcf_write_over_begin):
+ * W2's cache-device write runs alongside W3 instead of before it (with
+ * io_uring; on the sync path bcf_io_start does it at once, which where
+ * auto picks that path is a copy into the page cache), and
+ * the data goes in as clean keys at W4, after both.  The range keeps its
+ * old data until then, which concurrent reads may get (the write is not
+ * acknowledged yet), and its write-intent marks make a crash drop both
+ * (extent.c argues it).  So the write costs what its backing write
+ * costs, where cache_write put a device write in series with it.  Not
+ * taken where the range holds dirty data or a crash could bring some
+ * back: there the keys must be on the journal, dirty, before W3.  The
+ * partial blocks at the ends are invalidated durably before W3, as
+ * cache_write does.  Returns 1 and the write's result in *rc if done; 0
+ * if not taken (the caller goes on with cache_write). */
 static int
 write_over (struct bcf_req *r, const struct bcf_backing *b, struct span s,
             struct span in, const uint8_t *buf, uint32_t count,
             uint64_t offset, bool fua, int *rc)
 {
   struct bcf_write w;
-  struct bcf_miss m;
-  int e = bcf_write_over_mark (r->c, in.start, in.end - in.start, &w);
+  bool failed;
+  int e = bcf_write_over_begin (r->c, in.start, in.end - in.start,
+                                buf + (in.start - offset), &w);
 
   if (e < 0) {
-    if (e != -EEXIST && e != -ENOSPC && e != -EROFS)
+    if (e != -EEXIST && e != -ENOSPC && e != -EROFS && e != -ENOMEM)
       device_error (r);
     return 0;
   }
@@ -2118,22 +2106,12 @@ write_over (struct bcf_req *r, const struct bcf_backing *b, struct span s,
       (*rc = invalidate_durably (r, in.end, s.end - in.end)) == 0)
     *rc = export_changed (r, b->ops->pwrite (b->opaque, buf, count,   /* W3 */
                                              offset, fua));
-  if (*rc == 0 &&                                               /* W4 */
-      bcf_miss_begin (r->c, in.start, in.end - in.start, &m) == 0)
-    queue_fill (r, &m, buf + (in.start - offset), true);
-  else {
-    /* The backing store may hold the new data, or a part of it: the old
-     * data must go, durably (the marks would drop it after a crash, but
-     * this path is rare enough not to lean on them). */
-    if (bcf_invalidate (r->c, in.start, in.end - in.start, true) < 0) {
-      int f = cache_update_failed (r);
-
-      if (*rc == 0)
-        *rc = f;
-    }
-    atomic_fetch_add (&r->write_collisions, 1);   /* wanted, not cached */
-  }
-  bcf_write_release (r->c, &w);
+  e = bcf_write_over_end (r->c, &w, *rc, &failed);              /* W4 */
+  if (failed)
+    device_error (r);
+  if (e < 0)
+    cache_update_failed (r);
+  atomic_fetch_add (e == 1 ? &r->write_inserts : &r->write_collisions, 1);
   return 1;
 }
 

@@ -381,6 +381,7 @@ struct bcf_write {
   unsigned npieces;           /* keys: one per allocation */
   uint64_t *ptrs;             /* their pointers */
   uint64_t inline_ptrs[BCF_WRITE_INLINE];
+  struct bcf_write_io *io;    /* bcf_write_over_begin's device writes */
 };
 
 /* Returns 0; or -ENOSPC (no room now), -errno (device error): then
@@ -425,30 +426,30 @@ void bcf_write_release (struct bcf_cache *c, struct bcf_write *w);
 int bcf_invalidate_before_write (struct bcf_cache *c, uint64_t offset,
                                  uint64_t len, struct bcf_write *w);
 
-/* Writethrough writes over clean data the cache holds, cached after the
- * backing write as a fill, as writes to data the cache does not hold are
- * (below), so that the write waits for no cache-device write:
+/* Writethrough writes over clean data the cache holds, with the
+ * cache-device write in parallel with the backing write:
  *
- *   bcf_write_over_mark   under the write's turn in the in-flight write
+ *   bcf_write_over_begin  under the write's turn in the in-flight write
  *                         tracker: marks the range's write-intent regions
- *                         (durably); the range keeps its old data.
- *                         -EEXIST if the range holds dirty data or a crash
- *                         could bring some back, or no mark can be made
- *                         (use bcf_write_begin_through); -EROFS, -ENOSPC,
- *                         -EINVAL: not cached
- *   ... the backing write ...
- *   bcf_miss_begin        before the write is acknowledged: the check key
- *                         replaces the old data, so reads go to the
- *                         backing store; then bcf_miss_fill (or cancel),
- *                         whenever, with the data written.  If the backing
- *                         write or bcf_miss_begin failed: bcf_invalidate,
- *                         durable, instead
- *   bcf_write_release     after both, in every case (the marks)
+ *                         and starts writing the data to new cache space,
+ *                         without waiting; the range keeps its old data
+ *                         meanwhile.  -EEXIST if the range holds dirty
+ *                         data or a crash could bring some back, or no
+ *                         mark can be made (use bcf_write_begin_through);
+ *                         -ENOSPC, -EROFS, -ENOMEM: not cached
+ *   ... the backing write, which returned `backing` ...
+ *   bcf_write_over_end    waits for the device write; if both succeeded
+ *                         the data goes in as clean keys (1), else the
+ *                         range is invalidated durably (0, or -errno if
+ *                         that failed); *device_failed says whether the
+ *                         cache device failed the write.  Releases w.
  *
- * extent.c argues why the old data may stay while the backing write runs
- * and why a crash brings neither it nor the fill back. */
-int bcf_write_over_mark (struct bcf_cache *c, uint64_t offset, uint64_t len,
-                         struct bcf_write *w);
+ * Both on the same thread (the device write is on its ring).  extent.c
+ * argues why the old data may stay while the backing write runs. */
+int bcf_write_over_begin (struct bcf_cache *c, uint64_t offset, uint64_t len,
+                          const void *data, struct bcf_write *w);
+int bcf_write_over_end (struct bcf_cache *c, struct bcf_write *w, int backing,
+                        bool *device_failed);
 
 /* Writethrough writes to data the cache does not hold (DESIGN.md "Writes
  * on dirty keys": where nothing was cached, the cache update and the

@@ -310,11 +310,6 @@ void bcf_req_test_disable_ordering (struct bcf_req *r, bool disabled);
 uint64_t bcf_req_test_writes_waiting (struct bcf_req *r);
 /* Tests only: times a fill worker woke to find nothing queued. */
 uint64_t bcf_req_test_fill_idle_wakeups (struct bcf_req *r);
-/* Tests only: while held, fill workers take nothing from the queue (it
- * fills up to its bound; a fill that finds it full is dropped, as ever).
- * Release before bcf_req_drain or bcf_req_free's drain: a drain waits for
- * what is queued. */
-void bcf_req_test_hold_fills (struct bcf_req *r, bool held);
 
 #pragma GCC visibility pop
 

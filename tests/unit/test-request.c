@@ -502,93 +502,6 @@ START_TEST (write_over_clean_crash)
 }
 END_TEST
 
-/* A writethrough write over clean cached data (write_over) is cached
- * after its backing write, as a fill.  Between its acknowledgement and
- * the fill, the check key it laid before returning has replaced the old
- * data: a read gets the export's new data, never the old (the fill
- * workers are held, so that window stays open).  And it waited for no
- * cache-device write.  Negative control: with the check key not laid
- * (the fill queued against a check key that was never inserted), the
- * read returns the old 0x71. */
-START_TEST (write_over_clean_read_before_fill)
-{
-  struct fx f;
-  uint8_t old[65536], new[65536], got[65536];
-  const uint64_t off = 9 * MiB;
-  struct bcf_cache_stats st0, st1;
-  struct mem_backing_stats ms;
-
-  fx_init (&f, "overfill.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  pattern (old, sizeof old, 0x71);
-  pattern (new, sizeof new, 0x72);
-  warm_range (&f, old, sizeof old, off);
-  bcf_req_test_hold_fills (f.r, true);
-  bcf_cache_stats (f.c, &st0);
-  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
-                    0);
-  bcf_cache_stats (f.c, &st1);
-  ck_assert_uint_eq (st1.cache_write.count, st0.cache_write.count);
-  mem_backing_reset_stats (f.mb);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
-                 "a read after the write was acknowledged, before its "
-                 "fill, returned the data the write replaced");
-  mem_backing_get_stats (f.mb, &ms);
-  ck_assert_uint_eq (ms.reads, 1);
-  ck_assert (!cached_no_drain (&f, off, sizeof got));
-
-  /* Once the fills run, the new data is cached (by the write's fill or
-   * the read's, whichever check key is there) and served. */
-  bcf_req_test_hold_fills (f.r, false);
-  ck_assert (cached (&f, off, sizeof got));
-  mem_backing_reset_stats (f.mb);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (memcmp (got, new, sizeof got) == 0);
-  mem_backing_get_stats (f.mb, &ms);
-  ck_assert_uint_eq (ms.reads, 0);
-  fx_close (&f);
-  fx_open (&f);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert (memcmp (got, new, sizeof got) == 0);
-  fx_free (&f);
-}
-END_TEST
-
-/* The same write, and a crash before its fill ran (fills held, every
- * unflushed device write lost): a checkpoint holds the old key, and only
- * the write-intent mark the write made durable before its backing write
- * makes recovery drop it.  Negative control: with bcf_write_over_mark
- * not marking (w->intent false, no intent_write_begin), the range reads
- * the old 0x73 after the crash. */
-START_TEST (write_over_clean_crash_before_fill)
-{
-  struct fx f;
-  uint8_t old[65536], new[65536], got[65536];
-  const uint64_t off = 11 * MiB;
-
-  fx_init (&f, "overfillcrash.img", 64 * MiB, BCF_MODE_WRITETHROUGH);
-  pattern (old, sizeof old, 0x73);
-  pattern (new, sizeof new, 0x74);
-  warm_range (&f, old, sizeof old, off);
-  ck_assert_int_eq (bcf_cache_checkpoint (f.c), 0);     /* old key on disk */
-  bcf_req_test_hold_fills (f.r, true);
-  ck_assert_int_eq (bcf_req_write (f.r, &f.b, new, sizeof new, off, false),
-                    0);
-  ck_assert (!cached_no_drain (&f, off, sizeof got));
-
-  bcf_req_free (f.r);           /* runs the held fill: lost below */
-  f.r = NULL;
-  bcf_cache_test_crash (f.c, seed, BCF_IO_CRASH_LOSE_ALL);
-  f.c = NULL;
-  fx_open (&f);
-  ck_assert_int_eq (bcf_req_read (f.r, &f.b, got, sizeof got, off), 0);
-  ck_assert_msg (memcmp (got, new, sizeof got) == 0,
-                 "after a crash before the write's fill the cache served "
-                 "the data the write replaced");
-  fx_free (&f);
-}
-END_TEST
-
 /* A write that goes around the cache (writearound here; the congestion
  * and sequential bypasses take the same path) over clean cached data
  * that a checkpoint wrote, in a region a first such write has marked:
@@ -652,8 +565,8 @@ START_TEST (write_over_clean_fails)
   pattern (new, sizeof new, 0x52);
   warm_range (&f, old, sizeof old, off);
   {
-    /* First one that succeeds: it waits for no cache-device write (no
-     * cache_write time), and its data is cached by the fill queue. */
+    /* First one that succeeds: its wait for the device beside the
+     * backing write is a cache_write. */
     struct bcf_cache_stats st0, st1;
     struct bcf_req_stats rs0, rs1;
 
@@ -661,13 +574,10 @@ START_TEST (write_over_clean_fails)
     bcf_req_get_stats (f.r, &rs0);
     ck_assert_int_eq (bcf_req_write (f.r, &f.b, old, sizeof old, off, false),
                       0);
-    bcf_req_drain (f.r);
     bcf_cache_stats (f.c, &st1);
     bcf_req_get_stats (f.r, &rs1);
     ck_assert_uint_eq (rs1.write_inserts, rs0.write_inserts + 1);
-    ck_assert_uint_eq (rs1.write_collisions, rs0.write_collisions);
-    ck_assert_uint_eq (st1.cache_write.count, st0.cache_write.count);
-    ck_assert (cached_no_drain (&f, off, sizeof got));
+    ck_assert_uint_eq (st1.cache_write.count, st0.cache_write.count + 1);
   }
   fail = mem_backing_fail_range (f.mb, MEM_BACKING_WRITE, off, sizeof new,
                                  EIO);
@@ -2474,8 +2384,6 @@ request_suite (void)
   ADD (waiting_write_absorbed);
   ADD (dirty_keys_written_back_after_crash);
   ADD (write_over_clean_crash);
-  ADD (write_over_clean_read_before_fill);
-  ADD (write_over_clean_crash_before_fill);
   ADD (bypass_write_over_clean_crash);
   ADD (write_over_clean_fails);
   ADD (writeback_thread_drains);
